@@ -1,0 +1,154 @@
+"""What every method config shares. Method files (grpo.py, exgrpo.py, ...) start from `get_base_config(arg)`.
+
+Structural choices go through the config arg: `--config=configs/exgrpo.py:model=qwen2.5-math-7b,smoke`.
+Scalars go through flags: `--config.optim.lr=1e-6`. The returned config is locked: an unknown key is an error.
+"""
+import ml_collections
+
+
+
+def get_base_config(args) -> ml_collections.ConfigDict:
+  """`args` is what `config_lib.parse_arg` returned for the method's config arg (model preset, smoke, ...)."""
+  c = ml_collections.ConfigDict()
+  c.method = "grpo"
+  c.seed = 0
+  c.total_steps = 200
+  c.log_every = 5
+  c.eval_every = 50
+  c.checkpoint_every = 50
+  c.keep_checkpoints = 2
+
+  # Model: a preset name, or a Hugging Face checkpoint directory in `path` (config.json + *.safetensors).
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = args.model
+  c.model.path = ""  # HF directory; empty: random init from the preset (the embedded default warm-starts it).
+  c.model.param_dtype = "float32"
+  c.model.compute_dtype = "float32"  # bfloat16 on accelerators.
+  c.model.attention = "xla"  # xla | cudnn
+  c.model.remat = False
+
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.path = ""  # HF tokenizer directory; empty: the embedded tokenizer (built and cached at first use).
+  c.tokenizer.template = "plain"  # plain | qwen_math | r1 | chat (the tokenizer's own chat template)
+
+  # Mesh axes (data, fsdp, tensor); -1 takes the remaining devices.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "synthetic:arithmetic"  # synthetic:arithmetic | jsonl:PATH | parquet:PATH | tfds:NAME:SPLIT | hf_disk:PATH
+  c.data.eval_source = ""  # empty: the held-out split of the synthetic task
+  c.data.question_field = "question"
+  c.data.answer_field = "answer"
+  c.data.solution_field = "solution"
+  c.data.eval_size = 200
+  c.data.max_prompt_len = 32
+
+  # Rollouts: B questions x K samples each.
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.batch_size = 16  # B, questions per RL step
+  c.rollout.group_size = 8  # K, samples per question
+  c.rollout.max_new_tokens = 24
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.eval_temperature = 0.0
+
+  c.reward = ml_collections.ConfigDict()
+  c.reward.name = "math"
+  c.reward.timeout_s = 5.0
+  c.reward.num_workers = 2
+  c.reward.require_think = False  # ExGRPO reference: score only after </think>, 0 without it
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-4
+  c.optim.schedule = "constant"  # constant | cosine
+  c.optim.warmup_steps = 0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.weight_decay = 0.01
+  c.optim.grad_clip = 1.0
+  c.optim.skip_grad_norm = 500.0  # no update when the pre-clip norm is above this or not finite
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.scale_by_std = False  # False: Dr.GRPO advantages r - mean; True: classic GRPO
+  c.loss.clip = True
+  c.loss.clip_low = 0.2
+  c.loss.clip_high = 0.2
+  c.loss.dual_clip = 0.0  # 0: off
+  c.loss.shaping_beta = 0.1  # f(w) = w / (w + beta) for replayed tokens; < 0 treats them like fresh ones
+  c.loss.mixed_clip = False  # ExGRPO: keep clipping fresh tokens once replay is on (paper eq. 4)
+  c.loss.aggregation = "dr_grpo"
+  c.loss.max_len = 0  # L of dr_grpo; 0: rollout.max_new_tokens
+  c.loss.entropy_coef = 0.0
+  c.loss.kl_coef = 0.0
+  c.loss.kl_estimator = "k3"
+  c.loss.importance_cap = 0.0  # truncated importance weights cap c; 0: off
+  c.loss.drop_constant_groups = False
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_minibatches = 1  # optimizer steps per RL step
+  c.train.num_microbatches = 1  # gradient accumulation inside each optimizer step
+
+  c.replay = ml_collections.ConfigDict()
+  c.replay.name = "none"
+
+  # Supervised warm start of the embedded default, cached so repeated runs reuse it.
+  c.warm_start = ml_collections.ConfigDict()
+  c.warm_start.steps = 0
+  c.warm_start.lr = 1e-3
+  c.warm_start.batch_size = 32
+  c.warm_start.cache_dir = ""  # empty: ~/.cache/jaxrlvr
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.k = 1  # samples per question for avg@k / pass@k at eval.temperature (greedy accuracy is always reported)
+  c.eval.temperature = 0.0
+
+  if args.model == "tiny":
+    # The embedded default: warm-start the tiny model on worked solutions, then RL (DESIGN.md, "The embedded default").
+    c.warm_start.steps = 600
+  else:
+    _paper_scale(c)
+  if args.smoke:
+    _smoke(c)
+  return c
+
+
+def _paper_scale(c: ml_collections.ConfigDict) -> None:
+  """The released ExGRPO settings (Qwen2.5-Math-7B): set model.path and data.source on the command line."""
+  c.model.param_dtype = "float32"
+  c.model.compute_dtype = "bfloat16"
+  c.model.remat = True
+  c.tokenizer.template = "qwen_math"
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.data.source = ""  # required: e.g. parquet:/data/openr1.parquet
+  c.data.max_prompt_len = 1024
+  c.data.eval_size = 0  # all of eval_source
+  c.rollout.batch_size = 128
+  c.rollout.max_new_tokens = 8192
+  c.eval.temperature = 0.6
+  c.total_steps = 700
+  c.eval_every = 25
+  c.checkpoint_every = 25
+  c.log_every = 1
+  c.optim.lr = 1e-6
+  c.loss.entropy_coef = 0.001
+  c.train.num_minibatches = 2
+  c.train.num_microbatches = 16
+
+
+def _smoke(c: ml_collections.ConfigDict) -> None:
+  """A few seconds on CPU through every code path (CI)."""
+  c.total_steps = 4
+  c.log_every = 1
+  c.eval_every = 2
+  c.checkpoint_every = 2
+  c.warm_start.steps = 20
+  c.data.eval_size = 16
+  c.rollout.batch_size = 4
+  c.rollout.group_size = 4
+  c.rollout.max_new_tokens = 16
+  c.reward.num_workers = 1

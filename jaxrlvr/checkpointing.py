@@ -1,0 +1,121 @@
+"""Orbax checkpoints holding everything a run needs to continue exactly (DESIGN.md, "Checkpoint and resume").
+
+A checkpoint step directory has three items:
+  train: the device state (params, optimizer state, step, RNG, and a method's delayed sampler weights), sharded;
+  host:  the host state (replay buffer, data-iterator position, phase switch, ...) packed into one uint8 array, since
+         orbax refuses zero-size arrays and the replay state has many that start empty;
+  meta:  JSON: the step, the run's config (checked on resume) and small host scalars.
+Orbax writes each step into a temporary directory and renames it when complete, so a write that dies half-way never
+damages the last good checkpoint; `keep` old steps are kept.
+"""
+import io
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+# Config keys that may change between a run and its resumption; any other change is refused.
+RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
+                     "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size")
+
+
+def pack_host_state(state: dict) -> np.ndarray:
+  """Nested dict of numpy arrays and JSON-able leaves -> one uint8 array (an .npz with a JSON entry)."""
+  arrays, plain = {}, {}
+
+  def walk(prefix, value):
+    if isinstance(value, dict):
+      for k, v in value.items():
+        if not isinstance(k, str) or "/" in k:
+          raise ValueError(f"host state key {prefix + str(k)!r} must be a string without '/'")
+        walk(f"{prefix}{k}/", v)
+    elif isinstance(value, np.ndarray):
+      arrays[prefix[:-1]] = value
+    else:
+      plain[prefix[:-1]] = value
+
+  walk("", state)
+  buffer = io.BytesIO()
+  np.savez(buffer, __json__=np.frombuffer(json.dumps(plain).encode(), np.uint8), **arrays)
+  return np.frombuffer(buffer.getvalue(), np.uint8)
+
+
+def unpack_host_state(blob: np.ndarray) -> dict:
+  with np.load(io.BytesIO(np.asarray(blob, np.uint8).tobytes()), allow_pickle=False) as f:
+    flat = {k: f[k] for k in f.files if k != "__json__"}
+    flat.update(json.loads(f["__json__"].tobytes().decode()))
+  nested: dict = {}
+  for path, value in flat.items():
+    node = nested
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return nested
+
+
+def _flatten_config(config: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in config.items():
+    if isinstance(v, dict):
+      out.update(_flatten_config(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def incompatible_changes(saved: dict, current: dict) -> list[str]:
+  """Keys whose change would make a resumed run differ from the one that wrote the checkpoint."""
+  a, b = _flatten_config(saved), _flatten_config(current)
+  changed = []
+  for key in sorted(set(a) | set(b)):
+    if a.get(key) != b.get(key) and not any(key == p or (p.endswith(".") and key.startswith(p))
+                                            for p in RESUMABLE_CHANGES):
+      changed.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
+  return changed
+
+
+class Checkpointer:
+  """Saves and restores (train state, host state, meta) under WORKDIR/checkpoints/<step>."""
+
+  def __init__(self, workdir: str, *, keep: int = 2):
+    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, train_state, host_state: dict, meta: dict) -> None:
+    self._manager.save(step, args=ocp.args.Composite(
+        train=ocp.args.StandardSave(train_state),
+        host=ocp.args.StandardSave({"blob": pack_host_state(host_state)}),
+        meta=ocp.args.JsonSave(meta)))
+    # Waiting keeps "checkpoint written" meaning "on disk": a SIGKILL right after must find it.
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_train_state):
+    """`abstract_train_state`: a pytree of jax.ShapeDtypeStruct with shardings (jax.eval_shape of the state)."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        train=ocp.args.StandardRestore(abstract_train_state),
+        host=ocp.args.StandardRestore(),
+        meta=ocp.args.JsonRestore()))
+    return restored.train, unpack_host_state(restored.host["blob"]), restored.meta
+
+  def check_config(self, meta: dict, config: ml_collections.ConfigDict) -> None:
+    changes = incompatible_changes(meta["config"], config.to_dict())
+    if changes:
+      raise ValueError(
+          f"the config differs from the one that wrote the checkpoint in {self.directory} in ways that break "
+          f"resumption: {'; '.join(changes)}. Use a new --workdir, or restore those values.")
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def abstract_like(tree):
+  """ShapeDtypeStructs (with shardings) of a pytree of arrays, the restore target orbax needs."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

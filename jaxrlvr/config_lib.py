@@ -1,0 +1,133 @@
+"""Config plumbing: the `:key=value` config arg, and the checks that stop an impossible config early.
+
+Every method file in `configs/` does
+
+    args = config_lib.parse_arg(arg, model="tiny", smoke=False)
+    config = base.get_base_config(args)
+    ...  # method settings
+    return config_lib.finalize(config)
+
+`finalize` locks the config, so `--config.no_such_key=1` is refused by ml_collections with the key's name, and a
+wrong type (`--config.seed=abc`) is refused too. `validate` runs in `main` once the device count is known.
+"""
+from collections.abc import Sequence
+import types
+
+import ml_collections
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "dr_grpo", "exgrpo_reference")
+REPLAY_NAMES = ("none", "exgrpo", "advantage_priority", "bapo")
+TEMPLATES = ("plain", "qwen_math", "r1", "chat")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the key and the value."""
+
+
+def parse_arg(arg: str | None, **defaults) -> types.SimpleNamespace:
+  """Parses `model=qwen2.5-math-7b,smoke` into a namespace over `defaults`; a bare name sets a bool to True."""
+  values = dict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ConfigError(f"unknown config arg {key!r} in {arg!r}; known: {sorted(defaults)}")
+    default = defaults[key]
+    if not sep:
+      if not isinstance(default, bool):
+        raise ConfigError(f"config arg {key!r} needs a value ({key}=...), got {arg!r}")
+      values[key] = True
+    elif isinstance(default, bool):
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"config arg {key}={value!r} must be true or false")
+      values[key] = value.lower() in ("true", "1")
+    else:
+      values[key] = type(default)(value)
+  return types.SimpleNamespace(**values)
+
+
+def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  validate(config)
+  config.lock()
+  return config
+
+
+def _check(condition: bool, key: str, value, why: str) -> None:
+  if not condition:
+    raise ConfigError(f"config.{key}={value!r}: {why}")
+
+
+def _one_of(config, key: str, allowed: Sequence[str]) -> None:
+  value = config
+  for part in key.split("."):
+    value = value[part]
+  _check(value in allowed, key, value, f"must be one of {list(allowed)}")
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
+  """Raises ConfigError naming the key and value of the first impossible setting."""
+  c = config
+  for key in ("total_steps", "log_every", "eval_every", "checkpoint_every"):
+    _check(c[key] >= 1 if key != "total_steps" else c[key] >= 0, key, c[key], "must be positive")
+  r = c.rollout
+  _check(r.group_size >= 2, "rollout.group_size", r.group_size, "K must be at least 2 (advantages are r - group mean)")
+  _check(r.batch_size >= 1, "rollout.batch_size", r.batch_size, "must be at least 1")
+  _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be at least 1")
+  _check(r.temperature >= 0, "rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)")
+  _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+  _check(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 is off)")
+  loss = c.loss
+  _one_of(c, "loss.aggregation", AGGREGATION_MODES)
+  _one_of(c, "loss.kl_estimator", KL_ESTIMATORS)
+  _check(0 <= loss.clip_low < 1, "loss.clip_low", loss.clip_low, "must be in [0, 1)")
+  _check(loss.clip_high >= 0, "loss.clip_high", loss.clip_high, "must be >= 0")
+  _check(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip", loss.dual_clip, "must be 0 (off) or > 1")
+  _check(loss.max_len >= 0, "loss.max_len", loss.max_len, "must be >= 0 (0: rollout.max_new_tokens)")
+  _check(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be positive")
+  _one_of(c, "optim.schedule", ("constant", "cosine"))
+  _check(c.optim.skip_grad_norm > 0, "optim.skip_grad_norm", c.optim.skip_grad_norm, "must be positive")
+  _one_of(c, "tokenizer.template", TEMPLATES)
+  _one_of(c, "replay.name", REPLAY_NAMES)
+  if c.replay.name == "exgrpo":
+    _check(0 <= c.replay.rho < 1, "replay.rho", c.replay.rho, "the replayed share of the batch must be in [0, 1)")
+    _check(c.replay.bucket_sigma > 0, "replay.bucket_sigma", c.replay.bucket_sigma, "must be positive")
+    _one_of(c, "replay.bucket_scale", ("count", "accuracy"))
+  if c.replay.name == "advantage_priority":
+    _one_of(c, "replay.composition", ("fresh_anchored", "pool"))
+    _one_of(c, "replay.priority", ("abs_advantage", "group_std", "uniform"))
+  t = c.train
+  _check(t.num_minibatches >= 1, "train.num_minibatches", t.num_minibatches, "must be at least 1")
+  _check(t.num_microbatches >= 1, "train.num_microbatches", t.num_microbatches, "must be at least 1")
+  rows = r.batch_size * r.group_size
+  _check(rows % (t.num_minibatches * t.num_microbatches) == 0, "train.num_microbatches", t.num_microbatches,
+         f"rollouts per step ({r.batch_size} x {r.group_size} = {rows}) must be divisible by "
+         f"num_minibatches x num_microbatches ({t.num_minibatches} x {t.num_microbatches})")
+  for axis in ("data", "fsdp", "tensor"):
+    size = c.mesh[axis]
+    _check(size == -1 or size >= 1, f"mesh.{axis}", size, "must be -1 (fill) or a positive size")
+  if num_devices is not None:
+    sizes = mesh_shape(c.mesh, num_devices)
+    shards = sizes[0] * sizes[1]
+    micro_rows = rows // (t.num_minibatches * t.num_microbatches)
+    _check(micro_rows % shards == 0, "rollout.batch_size", r.batch_size,
+           f"each micro-batch ({micro_rows} rollouts) must be divisible by the batch shards of the mesh "
+           f"(data x fsdp = {sizes[0]} x {sizes[1]} = {shards} of {num_devices} devices)")
+
+
+def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
+  """Resolves the -1 entry of (data, fsdp, tensor) against the device count."""
+  sizes = [mesh_config.data, mesh_config.fsdp, mesh_config.tensor]
+  if sizes.count(-1) > 1:
+    raise ConfigError(f"config.mesh={tuple(sizes)}: at most one axis may be -1")
+  known = 1
+  for s in sizes:
+    known *= s if s != -1 else 1
+  if -1 in sizes:
+    if num_devices % known:
+      raise ConfigError(f"config.mesh={tuple(sizes)}: {num_devices} devices are not divisible by {known}")
+    sizes[sizes.index(-1)] = num_devices // known
+  if sizes[0] * sizes[1] * sizes[2] != num_devices:
+    raise ConfigError(f"config.mesh={tuple(sizes)} needs {sizes[0] * sizes[1] * sizes[2]} devices, "
+                      f"but {num_devices} are present")
+  return tuple(sizes)

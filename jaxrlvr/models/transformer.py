@@ -1,0 +1,292 @@
+"""The Flax NNX decoder: Llama 3.x, Qwen2 / Qwen2.5 and Qwen3 in one module.
+
+Differences between the families are config switches (`qkv_bias`, `qk_norm`, `tie_embeddings`, `rope_scaling`), so
+a Hugging Face checkpoint of any of them maps tensor by tensor onto these parameters (see `models/hf.py`).
+
+Shapes: B batch, T query length, S key length (cache slots), D hidden, N query heads, K kv heads, G = N // K query heads
+per kv head, H head_dim, F MLP width, V vocab. Every parameter carries logical axis names in its `out_sharding`
+metadata ('vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim', 'mlp', 'norm'); `parallel.py` maps them to mesh axes.
+Variables are created with `eager_sharding=False` so that building a model needs no mesh: `parallel.create_model`
+places them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrlvr.models.config import ModelConfig
+
+Cache = list  # one {'k': [B, S, K, H], 'v': [B, S, K, H]} dict per layer
+
+
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype: Any, *,
+           init: str = "normal", stddev: float = 0.02) -> nnx.Param:
+  """A parameter with logical axis names; `init` is 'normal' (HF's initializer_range), 'zeros' or 'ones'."""
+  assert len(shape) == len(names), (shape, names)
+  if init == "normal":
+    value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "zeros":
+    value = jnp.zeros(shape, jnp.float32)
+  else:
+    value = jnp.ones(shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse RoPE frequencies [H/2] in float32, with HF's llama3 rescaling when `config.rope_scaling` asks for it."""
+  dim = config.head_dim
+  inv_freq = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+  inv_freq = inv_freq.astype(np.float32)
+  scaling = config.rope_scaling
+  if scaling is None or scaling.get("rope_type", scaling.get("type")) == "default":
+    return inv_freq
+  # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+  factor = float(scaling["factor"])
+  low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+  old_len = float(scaling["original_max_position_embeddings"])
+  low_wavelen, high_wavelen = old_len / low, old_len / high
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates [B, T, heads, H] by `positions` [B, T] in HF's rotate-half layout (first half / second half pairs)."""
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm as HF computes it: normalise in float32, cast back, then scale."""
+
+  def __init__(self, dim: int, eps: float, param_dtype: Any):
+    self.eps = eps
+    self.scale = _param(None, (dim,), ("norm",), param_dtype, init="ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
+  """Boolean [B, T, S]: causal by slot and restricted to real keys.
+
+  `query_slots` [T] are the slots the queries occupy, `key_mask` [B, S] marks real keys. A query row with no allowed
+  key (a left-padding query) is allowed its own slot only, so softmax never sees an empty row and nothing is NaN;
+  rows with at least one real key are unchanged.
+  """
+  slots = jnp.arange(key_mask.shape[1])
+  causal = slots[None, :] <= query_slots[:, None]  # [T, S]
+  allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
+  empty = ~jnp.any(allowed, axis=-1, keepdims=True)  # [B, T, 1]
+  own = (slots[None, :] == query_slots[:, None])[None]  # [1, T, S]
+  return allowed | (empty & own)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                          implementation: str) -> jax.Array:
+  """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H] (grouped-query attention)."""
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  scale = 1.0 / math.sqrt(h)
+  if implementation == "cudnn":
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+  return out.reshape(b, t, n, h)  # [B, T, N, H]
+
+
+class Attention(nnx.Module):
+  """GQA self-attention with RoPE, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3), and a KV cache."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, pd = config, config.param_dtype
+    self.config = config
+    d, n, kv, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    self.q_proj = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), pd, stddev=c.initializer_range)
+    self.k_proj = _param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd, stddev=c.initializer_range)
+    self.v_proj = _param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd, stddev=c.initializer_range)
+    self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), pd, stddev=c.initializer_range)
+    if c.qkv_bias:
+      self.q_bias = _param(None, (n, h), ("q_heads", "head_dim"), pd, init="zeros")
+      self.k_bias = _param(None, (kv, h), ("kv_heads", "head_dim"), pd, init="zeros")
+      self.v_bias = _param(None, (kv, h), ("kv_heads", "head_dim"), pd, init="zeros")
+    if c.qk_norm:
+      self.q_norm = RMSNorm(h, c.rms_norm_eps, pd)
+      self.k_norm = RMSNorm(h, c.rms_norm_eps, pd)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, key_mask: jax.Array, cache: dict | None,
+               cache_index: jax.Array | None) -> tuple[jax.Array, dict | None]:
+    c = self.config
+    dt = x.dtype
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+    if c.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_inv_freq(c)  # a numpy constant at trace time
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+
+    t = x.shape[1]
+    if cache is None:
+      query_slots = jnp.arange(t)
+      new_cache = None
+    else:
+      # Write this chunk's keys/values at slots [cache_index, cache_index + T) and attend over the whole cache.
+      zero = jnp.zeros((), jnp.int32)
+      idx = (zero, jnp.asarray(cache_index, jnp.int32), zero, zero)
+      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), idx)  # [B, S, K, H]
+      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), idx)  # [B, S, K, H]
+      new_cache = {"k": k, "v": v}
+      k, v = k.astype(dt), v.astype(dt)
+      query_slots = cache_index + jnp.arange(t)
+    mask = attention_weights_mask(query_slots, key_mask)  # [B, T, S]
+    out = dot_product_attention(q, k, v, mask, implementation=c.attention)  # [B, T, N, H]
+    out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
+    return out, new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, pd = config, config.param_dtype
+    self.gate_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd,
+                            stddev=c.initializer_range)
+    self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pd,
+                          stddev=c.initializer_range)
+    self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pd,
+                            stddev=c.initializer_range)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dt))
+    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dt))
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype)
+    self.attn = Attention(config, rngs=rngs)
+    self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, positions, key_mask, cache, cache_index):
+    h, new_cache = self.attn(self.input_norm(x), positions, key_mask, cache, cache_index)
+    x = x + h
+    x = x + self.mlp(self.post_attn_norm(x))
+    return x, new_cache
+
+
+def _run_block(block: Block, x, positions, key_mask, cache, cache_index):
+  return block(x, positions, key_mask, cache, cache_index)
+
+
+_run_block_remat = nnx.remat(_run_block)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model. See the module docstring for shapes and `models/__init__.py` for the API."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.config = config
+    self.embed = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype,
+                        stddev=c.initializer_range)
+    self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype)
+    if not c.tie_embeddings:
+      self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.param_dtype,
+                            stddev=c.initializer_range)
+
+  def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+               attention_mask: jax.Array | None = None) -> jax.Array:
+    """input_ids [B, T] -> logits [B, T, V] float32 (no cache)."""
+    hidden, _ = self.hidden(input_ids, positions=positions, attention_mask=attention_mask)
+    return self.logits(hidden)
+
+  def hidden(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+             attention_mask: jax.Array | None = None, cache: Cache | None = None,
+             cache_index: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+    """Final-norm hidden states [B, T, D] and the updated cache (None without one).
+
+    Without a cache, `attention_mask` is [B, T] over the inputs. With one, it is [B, S] over the cache slots and the
+    inputs are written at slots [cache_index, cache_index + T).
+    """
+    c = self.config
+    dt = jnp.dtype(c.compute_dtype)
+    b, t = input_ids.shape
+    if cache is not None:
+      if len(cache) != c.num_layers:
+        raise ValueError(f"models/transformer.py: cache has {len(cache)} layers, the model {c.num_layers}")
+      if cache_index is None:
+        raise ValueError("models/transformer.py: cache_index is required when a cache is given")
+      cache_index = jnp.asarray(cache_index, jnp.int32)
+      num_slots = cache[0]["k"].shape[1]
+      key_mask = (jnp.ones((b, num_slots), bool) if attention_mask is None else attention_mask.astype(bool))
+      if positions is None:
+        if attention_mask is None:
+          positions = jnp.broadcast_to(cache_index + jnp.arange(t), (b, t))
+        else:
+          # Position of a slot = number of real slots before it (left padding), read at this chunk's slots.
+          slot_positions = jnp.maximum(jnp.cumsum(key_mask.astype(jnp.int32), axis=1) - 1, 0)  # [B, S]
+          positions = jax.lax.dynamic_slice_in_dim(slot_positions, cache_index, t, axis=1)  # [B, T]
+    else:
+      key_mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+      if positions is None:
+        if attention_mask is None:
+          positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        else:
+          positions = jnp.maximum(jnp.cumsum(key_mask.astype(jnp.int32), axis=1) - 1, 0)  # [B, T]
+
+    x = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)  # [B, T, D]
+    run = _run_block_remat if c.remat else _run_block
+    new_cache = [] if cache is not None else None
+    for i, block in enumerate(self.layers):
+      x, layer_cache = run(block, x, positions, key_mask, None if cache is None else cache[i], cache_index)
+      if cache is not None:
+        new_cache.append(layer_cache)
+    return self.final_norm(x), new_cache
+
+  def unembedding(self) -> jax.Array:
+    """The [D, V] output projection in the compute dtype (the transposed embedding when tied)."""
+    dt = jnp.dtype(self.config.compute_dtype)
+    if self.config.tie_embeddings:
+      return self.embed[...].astype(dt).T  # [D, V]
+    return self.lm_head[...].astype(dt)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> logits [..., V] in float32 (accumulated in float32 whatever the compute dtype)."""
+    w = self.unembedding()
+    return jnp.einsum("...D,DV->...V", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+  def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> Cache:
+    """Zeroed KV cache: one {'k', 'v'} dict of [B, S, K, H] per layer, in the compute dtype unless `dtype` is given."""
+    c = self.config
+    dtype = jnp.dtype(c.compute_dtype if dtype is None else dtype)
+    shape = (batch_size, max_len, c.num_kv_heads, c.head_dim)
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(c.num_layers)]

@@ -1,0 +1,372 @@
+"""KV-cache sampler: one jitted prefill, then one jitted `lax.while_loop` decode over a preallocated cache.
+
+Rollouts dominate the cost of an RL step, so shapes are kept fixed: ragged prompts are left-padded to a length bucket
+(`bucket_length`), the batch is padded to a multiple of the mesh's batch shards, and the KV cache is preallocated at
+bucket + max_new_tokens. Two batches whose prompts fall in the same bucket reuse the compiled prefill and decode.
+
+Conventions the trainer relies on:
+- `logprobs` are the log-probabilities of each sampled token under the distribution actually sampled from (after
+  temperature, top-k, top-p), so replay ratios pi / pi_behaviour are exact. `entropies` are of that same distribution.
+- Greedy (temperature 0): the sampled distribution is a point mass, whose log-prob and entropy carry no information.
+  We return instead the log-softmax at temperature 1 of the argmax token and the temperature-1 entropy, i.e. what
+  `jaxrlvr.scoring.score` gives for the same sequence; this is our documented choice.
+- After the first stop token a row emits `pad_id` with log-prob and entropy 0; `lengths` count up to and including
+  the stop token (max_new_tokens when none was produced).
+- Randomness: the key of row r at step t is fold_in(fold_in(rng, t), r), so a row's samples do not depend on how
+  many padding rows the batch or the mesh added.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")
+TENSOR_AXIS = "tensor"
+
+# Incremented each time a jitted sampler function is traced (compiled): the no-recompilation test reads it.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+  """What `generate` returns, as host numpy arrays with one row per prompt (padding rows removed).
+
+  tokens [B, N] int32, pad_id after the stop; logprobs [B, N] float32 and entropies [B, N] float32 of the sampled
+  distribution, 0 after the stop; lengths [B] int32 up to and including the first stop token; logits [B, N, V]
+  float32 raw model logits (temperature 1) only when `return_logits=True`, else None.
+  """
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  entropies: np.ndarray
+  lengths: np.ndarray
+  logits: np.ndarray | None = None
+
+
+def bucket_length(n: int) -> int:
+  """Padded prompt length for a longest prompt of `n` tokens: powers of two from 16 up to 512, then multiples of 512.
+
+  Powers of two keep the number of compiled shapes logarithmic; above 512 they would waste up to half the cache, so
+  the step becomes linear (at most 512 wasted slots, i.e. < 50% once n > 512).
+  """
+  if n < 1:
+    raise ValueError(f"sampling.py: bucket_length needs a positive prompt length, got n={n}")
+  if n <= 512:
+    return max(16, 1 << (n - 1).bit_length())
+  return -(-n // 512) * 512
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling from logits.
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Draws one token from each row of `logits` [..., V] (one key for all rows).
+
+  The order is the one transformers uses: temperature, then top-k, then top-p (nucleus: the smallest set of tokens
+  whose probability, after top-k, reaches top_p; the most likely token is always kept; ties at the cut-off are kept).
+  Returns (tokens [...] int32, logprobs [...] f32, entropies [...] f32) of the distribution actually sampled from;
+  temperature 0 is greedy with temperature-1 log-prob and entropy (see the module docstring).
+  """
+  logits = logits.astype(jnp.float32)
+  if temperature == 0:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, _take(logp, tokens), _entropy(logp)
+  scaled = logits / jnp.float32(temperature)
+  vocab = scaled.shape[-1]
+  sorted_desc = None  # the kept logits in descending order, when top-k or top-p needs them
+  if 0 < top_k < vocab:
+    sorted_desc, _ = jax.lax.top_k(scaled, top_k)  # [..., k]
+    scaled = jnp.where(scaled < sorted_desc[..., -1:], -jnp.inf, scaled)
+  if top_p < 1.0:
+    if sorted_desc is None:
+      sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p  # the first token always has mass_before 0
+    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+  logp = jax.nn.log_softmax(scaled, axis=-1)  # -inf outside the kept set
+  tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+  return tokens, _take(logp, tokens), _entropy(logp)
+
+
+def _take(logp: jax.Array, tokens: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def _entropy(logp: jax.Array) -> jax.Array:
+  """-sum p log p, with masked (-inf) entries contributing 0 rather than NaN."""
+  p = jnp.exp(logp)
+  return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The jitted loop.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Everything static about one compiled sampler (with the input shapes, the jit cache key)."""
+  graphdef: Any
+  max_new_tokens: int
+  temperature: float
+  top_k: int
+  top_p: float
+  eos_ids: tuple[int, ...]
+  pad_id: int
+  return_logits: bool
+  mesh: Any
+
+
+@struct.dataclass
+class _LoopState:
+  """The decode carry; donated to the decode call so the cache and outputs are updated in place."""
+  step: jax.Array  # [] int32: index of the token sampled next
+  rng: jax.Array  # base key of the whole call
+  last_token: jax.Array  # [B] int32: the token fed at the next step
+  position: jax.Array  # [B] int32: RoPE position of last_token
+  done: jax.Array  # [B] bool: the row has produced a stop token
+  tokens: jax.Array  # [B, N] int32
+  logprobs: jax.Array  # [B, N] f32
+  entropies: jax.Array  # [B, N] f32
+  lengths: jax.Array  # [B] int32
+  logits: Any  # [B, N, V] f32 when return_logits, else None
+  cache: Any  # per layer {'k', 'v': [B, S, N_kv, H]}, or the token buffer [B, S] without a cache
+  key_mask: jax.Array  # [B, S] 1 for real prompt tokens and every generated slot
+
+
+def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
+  """Samples step `state.step` from `logits` [B, V] and writes it into the outputs."""
+  step = state.step
+  step_key = jax.random.fold_in(state.rng, step)
+  row_keys = jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(logits.shape[0]))
+  sample = functools.partial(sample_logits, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+  tok, logp, ent = jax.vmap(sample)(logits, row_keys)  # [B] each
+  active = ~state.done
+  tok = jnp.where(active, tok, spec.pad_id)
+  logp = jnp.where(active, logp, 0.0)
+  ent = jnp.where(active, ent, 0.0)
+  is_stop = jnp.zeros_like(active)
+  for eos in spec.eos_ids:
+    is_stop = is_stop | (tok == eos)
+  out_logits = state.logits
+  if spec.return_logits:
+    out_logits = jax.lax.dynamic_update_slice(out_logits, logits[:, None, :], (0, step, 0))
+  return state.replace(
+      step=step + 1,
+      last_token=tok,
+      done=state.done | (active & is_stop),
+      tokens=jax.lax.dynamic_update_slice(state.tokens, tok[:, None], (0, step)),
+      logprobs=jax.lax.dynamic_update_slice(state.logprobs, logp[:, None], (0, step)),
+      entropies=jax.lax.dynamic_update_slice(state.entropies, ent[:, None], (0, step)),
+      lengths=state.lengths + active.astype(jnp.int32),
+      logits=out_logits,
+  )
+
+
+def _constrain(spec: _Spec, x: jax.Array, tensor_dim: int | None = None) -> jax.Array:
+  """Shards dim 0 of `x` over the batch axes (and `tensor_dim` over 'tensor' when it divides); no-op without mesh."""
+  if spec.mesh is None:
+    return x
+  axes: list[Any] = [None] * x.ndim
+  axes[0] = BATCH_AXES
+  if tensor_dim is not None and x.shape[tensor_dim] % spec.mesh.shape[TENSOR_AXIS] == 0:
+    axes[tensor_dim] = TENSOR_AXIS
+  return jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, P(*axes)))
+
+
+def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, rng: jax.Array, cache: Any,
+                   vocab_size: int) -> _LoopState:
+  batch, prompt_len = ids.shape
+  n = spec.max_new_tokens
+  key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)  # [B, S]
+  return _LoopState(
+      step=jnp.zeros((), jnp.int32),
+      rng=rng,
+      last_token=ids[:, -1],
+      position=jnp.sum(mask, axis=1).astype(jnp.int32),  # the first generated token sits at position prompt_len
+      done=jnp.zeros((batch,), bool),
+      tokens=_constrain(spec, jnp.full((batch, n), spec.pad_id, jnp.int32)),
+      logprobs=_constrain(spec, jnp.zeros((batch, n), jnp.float32)),
+      entropies=_constrain(spec, jnp.zeros((batch, n), jnp.float32)),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      logits=(_constrain(spec, jnp.zeros((batch, n, vocab_size), jnp.float32)) if spec.return_logits else None),
+      cache=cache,
+      key_mask=_constrain(spec, key_mask),
+  )
+
+
+def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, rng: jax.Array) -> _LoopState:
+  """Writes the left-padded prompts [B, P] into a fresh cache of P + N slots and samples the first token."""
+  TRACE_COUNTS["prefill"] += 1
+  model = nnx.merge(spec.graphdef, params)
+  batch, prompt_len = ids.shape
+  cache = model.init_cache(batch, prompt_len + spec.max_new_tokens)
+  cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=2), cache)  # [B, S, N_kv, H]
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
+  state = _initial_state(spec, ids, mask, rng, None, _vocab_size(model))
+  hidden, cache = model.hidden(ids, positions=positions, attention_mask=state.key_mask, cache=cache,
+                               cache_index=jnp.zeros((), jnp.int32))
+  logits = model.logits(hidden[:, -1])  # [B, V]; the last slot is a real token for every row (left padding)
+  return _record(spec, state.replace(cache=cache), logits)
+
+
+def _decode(spec: _Spec, params: Any, state: _LoopState) -> _LoopState:
+  """Feeds back one token per step until every row has stopped or max_new_tokens tokens exist."""
+  TRACE_COUNTS["decode"] += 1
+  prompt_len = state.key_mask.shape[1] - spec.max_new_tokens
+
+  def cond(s: _LoopState) -> jax.Array:
+    return (s.step < spec.max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: _LoopState) -> _LoopState:
+    model = nnx.merge(spec.graphdef, params)
+    hidden, cache = model.hidden(s.last_token[:, None], positions=s.position[:, None], attention_mask=s.key_mask,
+                                 cache=s.cache, cache_index=prompt_len + s.step - 1)  # [B, 1, D]
+    s = s.replace(cache=cache, position=s.position + 1)
+    return _record(spec, s, model.logits(hidden[:, 0]))
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, rng: jax.Array) -> _LoopState:
+  """The same sampler without a KV cache: every step recomputes the whole fixed-size buffer [B, P + N].
+
+  The reference for the cache (tests) and the baseline of the benchmark. Slots after the current step hold pad
+  tokens the causal mask keeps out of view.
+  """
+  TRACE_COUNTS["uncached"] += 1
+  model = nnx.merge(spec.graphdef, params)
+  batch, prompt_len = ids.shape
+  buffer = jnp.concatenate([ids, jnp.full((batch, spec.max_new_tokens), spec.pad_id, ids.dtype)], axis=1)  # [B, S]
+  state = _initial_state(spec, ids, mask, rng, _constrain(spec, buffer), _vocab_size(model))
+  positions = jnp.maximum(jnp.cumsum(state.key_mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, S]
+
+  def cond(s: _LoopState) -> jax.Array:
+    return (s.step < spec.max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: _LoopState) -> _LoopState:
+    m = nnx.merge(spec.graphdef, params)
+    hidden, _ = m.hidden(s.cache, positions=positions, attention_mask=s.key_mask)  # [B, S, D]
+    last = jax.lax.dynamic_index_in_dim(hidden, prompt_len + s.step - 1, axis=1, keepdims=False)  # [B, D]
+    s = _record(spec, s, m.logits(last))
+    return s.replace(cache=jax.lax.dynamic_update_slice(s.cache, s.last_token[:, None], (0, prompt_len + s.step - 1)))
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def _vocab_size(model: Any) -> int:
+  return int(model.unembedding().shape[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(spec: _Spec) -> tuple[Any, Any, Any]:
+  """Jitted (prefill, decode, uncached) for one spec; jax.jit then caches one executable per input shape."""
+  prefill = jax.jit(functools.partial(_prefill, spec))
+  decode = jax.jit(functools.partial(_decode, spec), donate_argnums=(1,))
+  uncached = jax.jit(functools.partial(_generate_uncached, spec))
+  return prefill, decode, uncached
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The host-side entry point.
+
+
+def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, rng: Any,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
+             pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, use_cache: bool = True,
+             return_logits: bool = False, pad_batch_to: int = 1) -> SampleOutput:
+  """Samples `max_new_tokens` tokens after each prompt (a list of token-id lists, ragged).
+
+  Args:
+    model: a `jaxrlvr.models.Transformer` (already sharded when `mesh` is given).
+    prompts: B token-id lists, each non-empty; left-padded to `bucket_length(longest)`.
+    max_new_tokens: N, the budget; the loop stops earlier once every row has produced a stop token.
+    rng: a jax PRNG key (or an int seed).
+    temperature: 0 is greedy; top_k 0 and top_p 1 switch those filters off.
+    eos_ids: stop tokens (any number); pad_id fills the prompt padding and the slots after a stop.
+    mesh: run sharded, the batch over ('data', 'fsdp') and KV heads over 'tensor'.
+    use_cache: False recomputes the full prefix at every step (reference and benchmark baseline).
+    return_logits: also return the raw logits [B, N, V] (memory-heavy; tests and debugging).
+    pad_batch_to: pad the batch to a multiple of this (besides the mesh's batch shards), so that callers whose batch
+      size varies (ExGRPO's K-1 samples for replayed questions) can keep one compiled shape.
+  Returns:
+    SampleOutput of host numpy arrays with B rows.
+  """
+  ids, mask, batch = _pad_prompts(model, prompts, pad_id=pad_id, mesh=mesh, pad_batch_to=pad_batch_to)
+  _check_sampling_args(max_new_tokens, temperature, top_p, top_k)
+  if isinstance(rng, int):
+    rng = jax.random.key(rng)
+  graphdef, params = nnx.split(model)
+  spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+               top_k=int(top_k), top_p=float(top_p), eos_ids=tuple(int(e) for e in eos_ids), pad_id=int(pad_id),
+               return_logits=bool(return_logits), mesh=mesh)
+  prefill, decode, uncached = _compiled(spec)
+  if mesh is not None:
+    ids = jax.device_put(ids, NamedSharding(mesh, P(BATCH_AXES)))
+    mask = jax.device_put(mask, NamedSharding(mesh, P(BATCH_AXES)))
+    rng = jax.device_put(rng, NamedSharding(mesh, P()))
+  if use_cache:
+    state = decode(params, prefill(params, ids, mask, rng))
+  else:
+    state = uncached(params, ids, mask, rng)
+  tokens, logprobs, entropies, lengths, logits = jax.device_get(
+      (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits))
+  return SampleOutput(tokens=tokens[:batch], logprobs=logprobs[:batch], entropies=entropies[:batch],
+                      lengths=lengths[:batch], logits=None if logits is None else logits[:batch])
+
+
+def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, mesh: Any,
+                 pad_batch_to: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """Left-pads ragged prompts to [B', bucket] ids and mask; B' is B rounded up to the batch shards and pad_batch_to.
+
+  Padding rows hold a single real pad token so no row is fully masked.
+  """
+  batch = len(prompts)
+  if batch == 0:
+    raise ValueError("sampling.py: generate got an empty list of prompts")
+  lengths = [len(p) for p in prompts]
+  if min(lengths) == 0:
+    raise ValueError(f"sampling.py: prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+  if pad_batch_to < 1:
+    raise ValueError(f"sampling.py: pad_batch_to={pad_batch_to} must be >= 1")
+  multiple = int(pad_batch_to)
+  if mesh is not None:
+    shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    multiple = multiple * shards // np.gcd(multiple, shards)
+  padded_batch = -(-batch // multiple) * multiple
+  width = bucket_length(max(lengths))
+  ids = np.full((padded_batch, width), pad_id, np.int32)
+  mask = np.zeros((padded_batch, width), np.int32)
+  for row, prompt in enumerate(prompts):
+    ids[row, width - len(prompt):] = np.asarray(prompt, np.int32)
+    mask[row, width - len(prompt):] = 1
+  mask[batch:, -1] = 1
+  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+  if vocab is not None and (ids.max() >= vocab or ids.min() < 0):
+    raise ValueError(f"sampling.py: prompt token ids must lie in [0, vocab_size={vocab}); got min {ids.min()}, "
+                     f"max {ids.max()} (pad_id={pad_id})")
+  return ids, mask, batch
+
+
+def _check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+  if max_new_tokens < 1:
+    raise ValueError(f"sampling.py: max_new_tokens={max_new_tokens} must be >= 1")
+  if temperature < 0:
+    raise ValueError(f"sampling.py: temperature={temperature} must be >= 0 (0 is greedy)")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"sampling.py: top_p={top_p} must lie in (0, 1]")
+  if top_k < 0:
+    raise ValueError(f"sampling.py: top_k={top_k} must be >= 0 (0 switches it off)")

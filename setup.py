@@ -1,0 +1,36 @@
+"""jaxrlvr: experience replay for RL with verifiable rewards, in JAX/Flax."""
+import setuptools
+
+setuptools.setup(
+    name="jaxrlvr",
+    version="0.1.0",
+    description="JAX/Flax research codebase for RLVR with experience replay (ExGRPO, BAPO, ...).",
+    packages=setuptools.find_packages(include=["jaxrlvr", "jaxrlvr.*"]),
+    package_data={"jaxrlvr": ["data/assets/*"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "chex>=0.1.90",
+        "ml-collections>=1.0",
+        "absl-py",
+        "numpy>=1.26",
+        "transformers>=4.51",
+        "tokenizers>=0.21",
+        "safetensors>=0.5",
+        "sentencepiece>=0.2",
+        "math-verify>=0.8",
+        "pyarrow>=15",
+        "tensorboardX>=2.6",
+        "tqdm",
+    ],
+    extras_require={
+        # torch==2.13.0 is the CPU build on local disk here; tests use it only for parity with transformers.
+        "test": ["pytest>=8", "pytest-xdist", "torch==2.13.0", "datasets>=3", "nbclient", "nbformat", "ipykernel",
+                 "matplotlib"],
+        "tfds": ["tensorflow-datasets>=4.9.8", "array-record"],
+        "colab": ["matplotlib", "nbclient", "nbformat", "ipykernel"],
+    },
+)
