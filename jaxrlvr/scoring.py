@@ -128,7 +128,8 @@ def _chunk_logprobs(inputs: tuple[jax.Array, jax.Array], *, unembedding: jax.Arr
     return (new_m, s, u, target_logit), None
 
   shape = targets.shape
-  init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+  # m starts at the most negative finite float, not -inf: s (m - m') must be 0, not 0 * inf = NaN (also in grads).
+  init = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
           jnp.zeros(shape, jnp.float32))
   if num_chunks == 1:
     (m, s, u, target_logit), _ = step(init, jnp.zeros((), jnp.int32))

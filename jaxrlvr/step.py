@@ -15,7 +15,7 @@ The PPO ratio of a fresh token is against old_logp; a replayed token's ratio is 
 `loss.importance_cap > 0` every token is also weighted by min(pi_old / pi_behaviour, cap) (stop-gradient), which
 corrects delayed-policy rollouts (BAPO) and sampler/trainer mismatch.
 """
-import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -38,30 +38,13 @@ class TrainState:
   skipped: jax.Array  # optimizer steps skipped by the grad-norm rule, int32
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """The static part of the loss, read once from `config.loss`."""
-  aggregation: str
-  max_len: int
-  clip: bool
-  clip_low: float
-  clip_high: float
-  dual_clip: float | None
-  shaping_beta: float | None
-  entropy_coef: float
-  kl_coef: float
-  kl_estimator: str
-  importance_cap: float
-  temperature: float
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "LossConfig":
-    c = config.loss
-    return cls(aggregation=c.aggregation, max_len=c.max_len or config.rollout.max_new_tokens, clip=c.clip,
-               clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip or None,
-               shaping_beta=c.shaping_beta if c.shaping_beta >= 0 else None, entropy_coef=c.entropy_coef,
-               kl_coef=c.kl_coef, kl_estimator=c.kl_estimator, importance_cap=c.importance_cap,
-               temperature=config.rollout.temperature or 1.0)
+def create_state(params, optimizer: optax.GradientTransformation, mesh) -> TrainState:
+  """A fresh TrainState on `mesh`: optimizer moments sharded like their parameters, counters replicated."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  param_sharding = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = jax.jit(optimizer.init, in_shardings=(param_sharding,))(params)
+  step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))  # distinct buffers: donated
+  return TrainState(params=params, opt_state=opt_state, step=step, skipped=skipped)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -81,45 +64,40 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 def completion_logprobs(model, batch: dict, temperature: float):
   """Teacher-forced log-probs and entropies of the completion tokens: ([R, T], [R, T])."""
-  logp, entropy = scoring.token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
+  logp, entropy = scoring.score(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
   num_completion = batch["completion_mask"].shape[1]
   return logp[:, -num_completion:], entropy[:, -num_completion:]
 
 
-def _policy_loss(params, graphdef, micro: dict, normalizer, loss_config: LossConfig):
-  """One micro-batch's share of the optimizer step's loss, and its diagnostics."""
-  lc = loss_config
+def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives.LossSettings,
+                 temperature: float):
+  """One micro-batch's share of the optimizer step's loss, and its additive diagnostics."""
   model = nnx.merge(graphdef, params)
-  logp, entropy = completion_logprobs(model, micro, lc.temperature)  # [r, T] each
+  logp, entropy = completion_logprobs(model, micro, temperature)  # [r, T] each
   mask = micro["completion_mask"]
   replayed = micro["replayed"]  # [r]
-  # Fresh tokens: ratio to the trainer's old policy. Replayed tokens: ratio to the policy that wrote them.
-  old_logp = jnp.where(replayed[:, None], micro["behaviour_logp"], micro["old_logp"])
-  shaped_loss = objectives.token_policy_loss(
-      logp, old_logp, micro["advantages"], replayed=replayed, clip=lc.clip, clip_low=lc.clip_low,
-      clip_high=lc.clip_high, dual_clip=lc.dual_clip, shaping_beta=lc.shaping_beta)
-  # ExGRPO's mixed phase (mixed_clip=False) removes the clip of fresh tokens; each row says whether it is clipped.
-  unclipped_loss = objectives.token_policy_loss(
-      logp, old_logp, micro["advantages"], replayed=replayed, clip=False, shaping_beta=lc.shaping_beta)
-  per_token = jnp.where(micro["clip"][:, None], shaped_loss, unclipped_loss)
-  if lc.importance_cap > 0:
+  if settings.importance_cap is None:
+    # Fresh tokens: ratio to the trainer's old policy. Replayed tokens: ratio to the policy that wrote them.
+    old_logp = jnp.where(replayed[:, None], micro["behaviour_logp"], micro["old_logp"])
+  else:
+    old_logp = micro["old_logp"]  # decoupled: ratio to pi_old, times min(pi_old / pi_behaviour, cap) below
+  policy_kwargs = {**settings.policy_loss_kwargs(), "clip": micro["clip"]}  # per row: ExGRPO's mixed phase
+  per_token = objectives.token_policy_loss(logp, old_logp, micro["advantages"], replayed=replayed, **policy_kwargs)
+  if settings.importance_cap is not None:
     per_token = per_token * objectives.truncated_importance_weights(
-        micro["old_logp"], micro["behaviour_logp"], cap=lc.importance_cap)
-  policy_loss = objectives.aggregate_loss(per_token, mask, mode=lc.aggregation, max_len=lc.max_len,
-                                          normalizer=normalizer)
-  entropy_loss = objectives.aggregate_loss(entropy, mask, mode=lc.aggregation, max_len=lc.max_len,
-                                           normalizer=normalizer)
-  loss = policy_loss - lc.entropy_coef * entropy_loss
+        micro["old_logp"], micro["behaviour_logp"], cap=settings.importance_cap)
+  aggregate = functools.partial(objectives.aggregate_loss, mask=mask, normalizer=normalizer,
+                                **settings.aggregate_kwargs())
+  policy_loss = aggregate(per_token)
+  entropy_loss = aggregate(entropy)
+  loss = policy_loss - settings.entropy_coef * entropy_loss
   kl_loss = jnp.zeros(())
-  if lc.kl_coef > 0:
-    kl = objectives.kl_penalty(logp, micro["ref_logp"], estimator=lc.kl_estimator)
-    kl_loss = objectives.aggregate_loss(kl, mask, mode=lc.aggregation, max_len=lc.max_len, normalizer=normalizer)
-    loss = loss + lc.kl_coef * kl_loss
-  # Sums over tokens, so that micro-batch diagnostics add up to the step's.
-  stats = diagnostics.ratio_sums(logp, old_logp, mask, replayed=replayed, clip_low=lc.clip_low,
-                                 clip_high=lc.clip_high)
-  aux = {"loss/policy": policy_loss, "loss/entropy": entropy_loss, "loss/kl": kl_loss, **stats}
-  return loss, aux
+  if settings.kl_coef > 0:
+    kl_loss = aggregate(objectives.kl_penalty(logp, micro["ref_logp"], estimator=settings.kl_estimator))
+    loss = loss + settings.kl_coef * kl_loss
+  stats = diagnostics.policy_stats(logp, old_logp, micro["advantages"], mask, replayed=replayed, **policy_kwargs)
+  losses = {"loss/policy": policy_loss, "loss/entropy": entropy_loss, "loss/kl": kl_loss, "loss/total": loss}
+  return loss, (losses, stats)
 
 
 def _split_rows(x: jax.Array, num_minibatches: int, num_micro: int) -> jax.Array:
@@ -131,8 +109,15 @@ def _split_rows(x: jax.Array, num_minibatches: int, num_micro: int) -> jax.Array
 
 def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation, *,
                    state_sharding, batch_sharding):
-  """Returns the jitted `update(state, batch) -> (state, metrics)`; `state` is donated."""
-  loss_config = LossConfig.from_config(config)
+  """Returns the jitted `update(state, batch) -> (state, metrics)`; `state` is donated.
+
+  `batch` holds R rows (R divisible by num_minibatches x num_microbatches x batch shards):
+    input_ids, attention_mask [R, P + T] int32; completion_mask [R, T] (0 for padding rows and dropped rollouts);
+    advantages [R, T] f32; old_logp, behaviour_logp [R, T] f32 (see the module doc); replayed [R] bool;
+    clip [R] bool (whether fresh tokens of the row are PPO-clipped); ref_logp [R, T] when loss.kl_coef > 0.
+  """
+  settings = objectives.LossSettings.from_config(config)
+  temperature = config.rollout.temperature or 1.0
   num_minibatches = config.train.num_minibatches
   num_micro = config.train.num_microbatches
   skip_norm = config.optim.skip_grad_norm
@@ -141,39 +126,40 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
   def optimizer_step(carry, minibatch):
     params, opt_state, skipped = carry
     # The normaliser belongs to the whole optimizer step: all its micro-batches, on all devices.
-    normalizer = objectives.loss_normalizer(
-        minibatch["completion_mask"].reshape(-1, minibatch["completion_mask"].shape[-1]),
-        mode=loss_config.aggregation, max_len=loss_config.max_len)
+    mask = minibatch["completion_mask"]  # [n, r, T]
+    normalizer = objectives.loss_normalizer(mask.reshape(-1, mask.shape[-1]), **settings.aggregate_kwargs())
 
-    def accumulate(grads_and_aux, micro):
-      grads_sum, aux_sum = grads_and_aux
+    def micro_grads(micro):
       micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
-      grads, aux = grad_fn(params, graphdef, micro, normalizer, loss_config)
-      return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, aux_sum, aux)), None
+      return grad_fn(params, graphdef, micro, normalizer, settings, temperature)
 
-    zero_grads = jax.tree.map(jnp.zeros_like, params)
-    first = jax.tree.map(lambda x: x[0], minibatch)
-    zero_aux = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda m: grad_fn(params, graphdef, m, normalizer, loss_config)[1], first))
-    (grads, aux), _ = jax.lax.scan(accumulate, (zero_grads, zero_aux), minibatch)
-    grad_norm = optax.global_norm(grads)
+    def accumulate(carry, micro):
+      grads_sum, losses_sum, stats_sum = carry
+      grads, (losses, stats) = micro_grads(micro)
+      return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, losses_sum, losses),
+              diagnostics.merge_stats(stats_sum, stats)), None
+
+    # Gradients and losses are sums over micro-batches (each already divided by the global normaliser).
+    first_grads, (first_losses, first_stats) = micro_grads(jax.tree.map(lambda x: x[0], minibatch))
+    rest = jax.tree.map(lambda x: x[1:], minibatch)
+    (grads, losses, stats), _ = jax.lax.scan(accumulate, (first_grads, first_losses, first_stats), rest)
+    grad_norm = optax.tree.norm(grads)
     # Skip rule (released ExGRPO code): no update when the pre-clip norm is not finite or above the bound.
     ok = jnp.isfinite(grad_norm) & (grad_norm <= skip_norm)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_params, params)
     opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_opt_state, opt_state)
-    aux = {**aux, "optim/grad_norm": grad_norm, "optim/skipped": (~ok).astype(jnp.float32)}
-    return (params, opt_state, skipped + (~ok).astype(jnp.int32)), aux
+    losses = {**losses, "optim/grad_norm": grad_norm, "optim/skipped": (~ok).astype(jnp.float32)}
+    return (params, opt_state, skipped + (~ok).astype(jnp.int32)), (losses, stats)
 
   def update(state: TrainState, batch: dict):
-    rows = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro), batch)  # [M, n, r, ...]
-    (params, opt_state, skipped), aux = jax.lax.scan(
-        optimizer_step, (state.params, state.opt_state, state.skipped), rows)
-    metrics = diagnostics.finalize_ratio_stats(jax.tree.map(jnp.sum, aux))
-    for key in ("loss/policy", "loss/entropy", "loss/kl", "optim/grad_norm"):
-      metrics[key] = jnp.mean(aux[key]) if key == "optim/grad_norm" else jnp.sum(aux[key]) / num_minibatches
-    metrics["optim/skipped"] = jnp.sum(aux["optim/skipped"])
+    minibatches = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro), batch)  # [M, n, r, ...]
+    (params, opt_state, skipped), (losses, stats) = jax.lax.scan(
+        optimizer_step, (state.params, state.opt_state, state.skipped), minibatches)
+    metrics = {k: jnp.mean(v) for k, v in losses.items()}  # over the M optimizer steps
+    metrics["optim/skipped"] = jnp.sum(losses["optim/skipped"])
+    metrics.update({f"policy/{k}": v for k, v in diagnostics.finalize_stats(diagnostics.reduce_stats(stats)).items()})
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
 
   return jax.jit(update, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),

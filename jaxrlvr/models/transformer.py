@@ -103,6 +103,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   kv_heads = k.shape[2]
   scale = 1.0 / math.sqrt(h)
   if implementation == "cudnn":
+    # cuDNN's fused kernel runs on NVIDIA GPUs in half precision only; say so instead of failing inside lowering.
+    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+      raise ValueError(f"models/transformer.py: attention='cudnn' needs a GPU backend and a bfloat16/float16 "
+                       f"compute_dtype (backend {jax.default_backend()!r}, dtype {q.dtype}); use attention='xla'")
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale

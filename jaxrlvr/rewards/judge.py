@@ -174,7 +174,10 @@ class HttpJudge(Judge):
       with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
         raw = resp.read()
     except urllib.error.HTTPError as e:
-      detail = e.read()[:200].decode("utf-8", "replace") if e.fp is not None else ""
+      try:
+        detail = e.read()[:200].decode("utf-8", "replace")
+      except (OSError, AttributeError, TypeError):
+        detail = ""
       if e.code in _FATAL_STATUS:
         raise JudgeError(f"HttpJudge: {self.url} answered HTTP {e.code} for model {self.model!r}: {detail}") from e
       if e.code in _RETRY_STATUS:
@@ -225,11 +228,12 @@ class ModelJudge(Judge):
   Prompts are generated `batch_size` at a time; the last batch is padded with copies of its first prompt so every
   call sees the same batch shape (no recompilation for a short tail). A prompt longer than `max_prompt_tokens`
   is not truncated -- cutting the reference or the answer would change what is judged -- it fails with `error`.
+  With a sharded judge model pass its `mesh`; `batch_size` should then be a multiple of the mesh's batch shards.
   """
 
   def __init__(self, model, tokenizer, *, max_new_tokens: int = 512, batch_size: int = 8,
                eos_ids: Sequence[int] | None = None, pad_id: int | None = None,
-               max_prompt_tokens: int | None = None, seed: int = 0,
+               max_prompt_tokens: int | None = None, seed: int = 0, mesh: Any = None,
                generate_fn: Callable[..., Any] | None = None):
     if max_new_tokens < 1:
       raise ValueError(f"ModelJudge: max_new_tokens={max_new_tokens} must be >= 1")
@@ -252,6 +256,7 @@ class ModelJudge(Judge):
     self.pad_id = int(pad_id)
     self.max_prompt_tokens = max_prompt_tokens
     self.seed = seed
+    self._sampler_kwargs = {} if mesh is None else {"mesh": mesh}  # a judge model sharded over this mesh
     self._generate = generate_fn
 
   def prompt_ids(self, request: JudgeRequest) -> list[int]:
@@ -276,7 +281,7 @@ class ModelJudge(Judge):
       prompts += [prompts[0]] * (self.batch_size - len(prompts))  # fixed batch shape
       t0 = time.monotonic()
       out = self._generate(self.model, prompts, max_new_tokens=self.max_new_tokens, rng=rng, temperature=0.0,
-                           eos_ids=self.eos_ids, pad_id=self.pad_id)
+                           eos_ids=self.eos_ids, pad_id=self.pad_id, **self._sampler_kwargs)
       tokens = np.asarray(out.tokens)  # [batch_size, max_new_tokens]
       lengths = np.asarray(out.lengths)  # [batch_size]
       latency = time.monotonic() - t0
@@ -287,7 +292,7 @@ class ModelJudge(Judge):
     return results
 
 
-def judge_from_config(cfg, *, model=None, tokenizer=None) -> Judge:
+def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None) -> Judge:
   """Builds the judge named by `cfg.kind` ("http" | "model") from the `exprl.judge` config block.
 
   http: base_url, model_name, timeout_s, max_retries, max_concurrency, max_tokens, api_key_env (the NAME of an
@@ -312,5 +317,5 @@ def judge_from_config(cfg, *, model=None, tokenizer=None) -> Judge:
                        "judge_from_config(cfg, model=..., tokenizer=...)")
     max_prompt = cfg.get("max_prompt_tokens", 0) or None
     return ModelJudge(model, tokenizer, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                      max_prompt_tokens=max_prompt)
+                      max_prompt_tokens=max_prompt, mesh=mesh)
   raise JudgeError(f"config exprl.judge.kind={kind!r}: expected 'http' or 'model'")

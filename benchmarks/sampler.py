@@ -1,0 +1,188 @@
+"""Rollout speed: `jaxrlvr.sampling.generate` against transformers' PyTorch `generate` and against itself without a cache.
+
+  python benchmarks/sampler.py                      # CPU: the tiny (~1M) and a ~12M model, side by side
+  python benchmarks/sampler.py --repeats=5 --skip_uncached
+
+Same weights for both (our random init, written with `save_pretrained`, read back by transformers and by
+`load_pretrained`), batch 64, 32-token prompts, 48 sampled tokens at temperature 1 with no top-k / top-p and no early
+stop (eos_ids=() for us; no eos and min_new_tokens=48 for transformers). Times exclude compilation (one warm-up call
+each) and are the median of `--repeats` calls; tokens/s = batch * new tokens / time, prefill included.
+
+On a GPU, a second section samples from the `qwen2.5-math-1.5b` preset with random bf16 weights and reports
+tokens/s and the fraction of the device's memory bandwidth that the decode loop uses (every step reads all weights
+and the whole preallocated KV cache). It is skipped, with a message, on CPU.
+
+Our target: >= 2x transformers' tokens/s on both CPU models.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxrlvr import sampling
+from jaxrlvr.models import ModelConfig, Transformer, get_preset, load_pretrained, save_pretrained
+
+# ~12M parameters: 10 blocks of 0.98M + a tied 8192 x 256 embedding (2.1M).
+MODEL_12M = ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=1024, num_layers=10,
+                        num_heads=8, num_kv_heads=4, head_dim=32, tie_embeddings=True, qkv_bias=True,
+                        max_position_embeddings=256)
+
+# Peak HBM bandwidth in bytes/s by device kind substring (public spec sheets); --peak_bandwidth_gbs overrides.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "L4": 0.3e12, "A10": 0.6e12,
+                  "V100": 0.9e12}
+
+
+def _param_count(model: nnx.Module) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _median_time(fn, repeats: int) -> float:
+  fn()  # warm-up: compilation, caches
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+  rs = np.random.RandomState(seed)
+  return [rs.randint(1, vocab, size=length).tolist() for _ in range(batch)]
+
+
+def bench_cpu_model(name: str, config: ModelConfig, args: argparse.Namespace) -> dict:
+  """Tokens/s of ours (cached, uncached) and of transformers on one model, with a greedy agreement check."""
+  import torch
+  import transformers
+
+  with tempfile.TemporaryDirectory() as path:
+    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), config, path)
+    ours, _ = load_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  prompts = _prompts(args.batch, args.prompt_len, config.vocab_size)
+  new = args.new_tokens
+  tokens = args.batch * new
+
+  # Same weights: greedy continuations of a few prompts agree token for token.
+  check = [p[: 8 + i] for i, p in enumerate(prompts[:4])]
+  ids, mask = _left_pad(check)
+  with torch.no_grad():
+    hf_greedy = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False, max_new_tokens=8,
+                            pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:].numpy()
+  our_greedy = sampling.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0).tokens
+  agree = bool(np.array_equal(hf_greedy, our_greedy))
+
+  seed = iter(range(10**6))
+  run = lambda use_cache: sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)),
+                                            temperature=1.0, eos_ids=(), use_cache=use_cache)
+  cached = _median_time(lambda: run(True), args.repeats)
+  uncached = None if args.skip_uncached else _median_time(lambda: run(False), args.uncached_repeats)
+
+  ids, mask = _left_pad(prompts)
+  ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
+
+  def hf_run():
+    with torch.no_grad():
+      out = hf.generate(ids_t, attention_mask=mask_t, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                        max_new_tokens=new, min_new_tokens=new, pad_token_id=0, eos_token_id=None)
+    assert out.shape[1] == ids.shape[1] + new, out.shape
+
+  hf_time = _median_time(hf_run, args.repeats)
+  return dict(name=name, params=_param_count(ours), hf=tokens / hf_time, ours=tokens / cached,
+              uncached=None if uncached is None else tokens / uncached, greedy_agrees=agree)
+
+
+def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  width = max(len(p) for p in prompts)
+  ids = np.zeros((len(prompts), width), np.int64)
+  mask = np.zeros_like(ids)
+  for row, p in enumerate(prompts):
+    ids[row, width - len(p):] = p
+    mask[row, width - len(p):] = 1
+  return ids, mask
+
+
+def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
+  print(f"\nCPU ({os.cpu_count()} cores), batch {args.batch}, {args.prompt_len}-token prompts, {args.new_tokens} new "
+        f"tokens, temperature 1, no early stop; tokens/s (median of {args.repeats})")
+  header = (f"{'model':<8} {'params':>11} {'transformers':>13} {'jaxrlvr':>10} {'ratio':>7} {'no cache':>10} "
+            f"{'cache gain':>11} {'greedy==HF':>11}")
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    uncached = "-" if r["uncached"] is None else f"{r['uncached']:10.0f}"
+    gain = "-" if r["uncached"] is None else f"{r['ours'] / r['uncached']:10.1f}x"
+    print(f"{r['name']:<8} {r['params']:>11,} {r['hf']:13.0f} {r['ours']:10.0f} {r['ours'] / r['hf']:6.2f}x "
+          f"{uncached:>10} {gain:>11} {str(r['greedy_agrees']):>11}")
+
+
+def gpu_section(args: argparse.Namespace) -> None:
+  """qwen2.5-math-1.5b, random bf16 weights: tokens/s and the fraction of memory bandwidth used."""
+  devices = jax.devices()
+  if devices[0].platform != "gpu":
+    print(f"\nGPU section skipped: no GPU (JAX platform is {devices[0].platform!r}).")
+    return
+  import jax.numpy as jnp
+
+  from jaxrlvr import parallel
+
+  device = devices[0]
+  config = get_preset("qwen2.5-math-1.5b").replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  mesh = parallel.make_mesh(data=1, devices=[device])
+  model = parallel.create_model(config, mesh, seed=0)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  peak = (args.peak_bandwidth_gbs * 1e9 if args.peak_bandwidth_gbs else
+          next((v for k, v in PEAK_BANDWIDTH.items() if k in device.device_kind), None))
+  print(f"\nGPU: {device.device_kind}, qwen2.5-math-1.5b random bf16 weights ({param_bytes / 1e9:.2f} GB), "
+        f"{args.gpu_prompt_len}-token prompts, {args.gpu_new_tokens} new tokens, temperature 1, no early stop")
+  print(f"{'batch':>6} {'tokens/s':>10} {'step ms':>8} {'GB/step':>8} {'TB/s':>6} {'of peak':>8}")
+  for batch in args.gpu_batches:
+    prompts = _prompts(batch, args.gpu_prompt_len, config.vocab_size)
+    seed = iter(range(10**6))
+    run = lambda: sampling.generate(model, prompts, max_new_tokens=args.gpu_new_tokens,
+                                    rng=jax.random.key(next(seed)), temperature=1.0, eos_ids=(), mesh=mesh)
+    seconds = _median_time(run, args.repeats)
+    slots = sampling.bucket_length(args.gpu_prompt_len) + args.gpu_new_tokens
+    kv_bytes = batch * slots * config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(
+        jnp.bfloat16).itemsize  # the attention reads every preallocated slot each step
+    step = seconds / args.gpu_new_tokens  # prefill included: a conservative per-step time
+    bandwidth = (param_bytes + kv_bytes) / step
+    fraction = "-" if peak is None else f"{bandwidth / peak:7.1%}"
+    print(f"{batch:>6} {batch * args.gpu_new_tokens / seconds:10.0f} {step * 1e3:8.2f} "
+          f"{(param_bytes + kv_bytes) / 1e9:8.2f} {bandwidth / 1e12:6.2f} {fraction:>8}")
+  if peak is None:
+    print(f"(peak bandwidth of {device.device_kind!r} unknown: pass --peak_bandwidth_gbs for the fraction)")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--prompt_len", type=int, default=32)
+  parser.add_argument("--new_tokens", type=int, default=48)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--uncached_repeats", type=int, default=1)
+  parser.add_argument("--skip_uncached", action="store_true", help="the no-cache baseline takes ~1 min at 12M")
+  parser.add_argument("--models", default="tiny,12m", help="comma-separated: tiny, 12m")
+  parser.add_argument("--gpu_batches", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
+  parser.add_argument("--gpu_prompt_len", type=int, default=256)
+  parser.add_argument("--gpu_new_tokens", type=int, default=512)
+  parser.add_argument("--peak_bandwidth_gbs", type=float, default=0.0)
+  args = parser.parse_args()
+
+  if jax.devices()[0].platform == "cpu":
+    known = {"tiny": get_preset("tiny"), "12m": MODEL_12M}
+    rows = [bench_cpu_model(name, known[name], args) for name in args.models.split(",")]
+    print_cpu_table(rows, args)
+  gpu_section(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,115 @@
+"""Supervised warm start of the embedded default: a few hundred steps on worked solutions so RL starts above 0%.
+
+The result is an ordinary Hugging Face checkpoint directory (models.save_pretrained) under a cache directory keyed by
+everything that determines it (model architecture, tokenizer vocabulary, task, steps, learning rate, batch, seed), so
+repeated runs, every method of a comparison and every seed of it start from the same weights without retraining.
+"""
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from jaxrlvr import models
+from jaxrlvr import step as step_lib
+
+_VERSION = 1
+
+
+def cache_key(model_config, tokenizer, *, task: str, steps: int, lr: float, batch_size: int, seed: int) -> str:
+  vocab = sorted(tokenizer.get_vocab().items())
+  blob = json.dumps({"version": _VERSION, "model": repr(model_config), "vocab": vocab, "task": task, "steps": steps,
+                     "lr": lr, "batch_size": batch_size, "seed": seed}, sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "jaxrlvr", "warm_start")
+
+
+def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, prompt_len: int,
+                   completion_len: int, pad_id: int) -> dict:
+  """(prompt ids, completion ids) pairs -> the RL batch layout: prompt left-padded to P, completion right-padded to T.
+
+  Returns numpy `input_ids` [B, P + T], `attention_mask` [B, P + T] and `completion_mask` [B, T].
+  """
+  batch = len(pairs)
+  ids = np.full((batch, prompt_len + completion_len), pad_id, np.int32)
+  mask = np.zeros_like(ids)
+  completion_mask = np.zeros((batch, completion_len), np.float32)
+  for row, (prompt, completion) in enumerate(pairs):
+    if not 0 < len(prompt) <= prompt_len or len(completion) > completion_len:
+      raise ValueError(f"warm start row {row}: prompt of {len(prompt)} tokens (max {prompt_len}) or completion of "
+                       f"{len(completion)} tokens (max {completion_len}) does not fit")
+    ids[row, prompt_len - len(prompt):prompt_len] = prompt
+    ids[row, prompt_len:prompt_len + len(completion)] = completion
+    mask[row, prompt_len - len(prompt):prompt_len + len(completion)] = 1
+    completion_mask[row, :len(completion)] = 1
+  return {"input_ids": ids, "attention_mask": mask, "completion_mask": completion_mask}
+
+
+def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, seed: int, prompt_len: int,
+                     completion_len: int, pad_id: int, batch_sharding=None, log_every: int = 100):
+  """AdamW on the mean negative log-likelihood of the completion tokens; returns the trained model."""
+  graphdef, params = nnx.split(model)
+  optimizer = optax.adamw(lr, weight_decay=0.0)
+  opt_state = optimizer.init(params)
+
+  def loss_fn(params, batch):
+    logp, _ = step_lib.completion_logprobs(nnx.merge(graphdef, params), batch, 1.0)
+    mask = batch["completion_mask"]
+    return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  rng = np.random.default_rng(seed)
+  start = time.time()
+  for i in range(steps):
+    rows = rng.choice(len(pairs), size=batch_size, replace=len(pairs) < batch_size)
+    batch = pack_sequences([pairs[r] for r in rows], prompt_len=prompt_len, completion_len=completion_len,
+                           pad_id=pad_id)
+    if batch_sharding is not None:
+      batch = jax.device_put(batch, batch_sharding)
+    params, opt_state, loss = train_step(params, opt_state, batch)
+    if log_every and (i + 1) % log_every == 0:
+      logging.info("warm start step %d/%d: loss %.4f (%.0f s)", i + 1, steps, float(loss), time.time() - start)
+  return nnx.merge(graphdef, params)
+
+
+def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps: int, lr: float, batch_size: int,
+                      seed: int, prompt_len: int, completion_len: int, cache_dir: str, mesh=None,
+                      batch_sharding=None):
+  """The warm-started model, trained once and then loaded from `cache_dir/<key>` (an HF checkpoint directory)."""
+  key = cache_key(model_config, tokenizer, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+  path = os.path.join(cache_dir or default_cache_dir(), key)
+  if not os.path.exists(os.path.join(path, "config.json")):
+    logging.info("warm start: training %d supervised steps (cache %s)", steps, path)
+    model = train_supervised(model, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                             prompt_len=prompt_len, completion_len=completion_len, pad_id=tokenizer.pad_token_id,
+                             batch_sharding=batch_sharding)
+    if jax.process_index() == 0:
+      # Write beside the target and rename, so a killed run never leaves a half-written cache entry.
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
+      models.save_pretrained(model, model_config, tmp)
+      try:
+        os.rename(tmp, path)
+      except OSError:  # another run finished the same warm start first
+        shutil.rmtree(tmp, ignore_errors=True)
+  else:
+    logging.info("warm start: reusing %s", path)
+  loaded, _ = models.load_pretrained(path, dtype=jnp.dtype(model_config.param_dtype), mesh=mesh)
+  return loaded

@@ -1,0 +1,258 @@
+"""The KV-cache sampler: cache vs recompute, stop tokens, sampling distributions, recompilation, sharding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+from jaxrlvr import sampling
+from jaxrlvr import scoring
+from jaxrlvr.models import ModelConfig, Transformer
+
+# A 2-layer model with a larger init than HF's 0.02, so next-token distributions are peaked and greedy has no ties.
+_CONFIG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, initializer_range=0.3)
+_PROMPTS = [[3, 14, 15, 9, 2, 6, 5], [35], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6], [43, 38]]  # ragged: 7, 1, 12, 2
+_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(_CONFIG, rngs=nnx.Rngs(0))
+
+
+def _left_padded(prompts, completions, lengths):
+  """[B, bucket + N] ids and mask of prompt + completion, as the sampler laid them out (pad 0)."""
+  width = sampling.bucket_length(max(len(p) for p in prompts))
+  n = completions.shape[1]
+  ids = np.zeros((len(prompts), width + n), np.int32)
+  mask = np.zeros_like(ids)
+  for row, p in enumerate(prompts):
+    ids[row, width - len(p):width] = p
+    mask[row, width - len(p):width + lengths[row]] = 1
+  ids[:, width:] = completions
+  return ids, mask, width
+
+
+def test_bucket_length():
+  # powers of two from 16 to 512, then multiples of 512
+  assert [sampling.bucket_length(n) for n in (1, 16, 17, 33, 300, 512, 513, 1025)] == [
+      16, 16, 32, 64, 512, 512, 1024, 1536]
+  with pytest.raises(ValueError, match="sampling.py"):
+    sampling.bucket_length(0)
+
+
+def test_cached_decode_equals_recompute_greedy(model):
+  """Greedy: the cache gives the logits of recomputing the whole prefix each step (1e-5) and the same tokens."""
+  kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0, return_logits=True)
+  cached = sampling.generate(model, _PROMPTS, **kwargs)
+  full = sampling.generate(model, _PROMPTS, use_cache=False, **kwargs)
+  assert cached.tokens.shape == (4, _NEW) and cached.logits.shape == (4, _NEW, 64)
+  np.testing.assert_allclose(cached.logits, full.logits, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(cached.tokens, full.tokens)
+  np.testing.assert_array_equal(cached.tokens, np.argmax(cached.logits, -1))
+  # Greedy log-probs are the temperature-1 log-softmax of the argmax token (the module's documented choice).
+  logp = jax.nn.log_softmax(cached.logits, -1)
+  np.testing.assert_allclose(cached.logprobs, np.take_along_axis(logp, cached.tokens[..., None], -1)[..., 0],
+                             atol=1e-6)
+  # And the logits are those of an independent uncached forward of prompt + completion.
+  ids, mask, width = _left_padded(_PROMPTS, cached.tokens, np.full(4, _NEW))
+  reference = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))  # [B, T, V]
+  np.testing.assert_allclose(cached.logits, reference[:, width - 1:-1], atol=1e-5, rtol=0)
+
+
+def test_cached_decode_equals_recompute_sampled(model):
+  """At temperature 1 the same key draws the same tokens with and without the cache."""
+  kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(7), temperature=1.0)
+  cached = sampling.generate(model, _PROMPTS, **kwargs)
+  full = sampling.generate(model, _PROMPTS, use_cache=False, **kwargs)
+  np.testing.assert_array_equal(cached.tokens, full.tokens)
+  np.testing.assert_allclose(cached.logprobs, full.logprobs, atol=1e-5)
+  np.testing.assert_allclose(cached.entropies, full.entropies, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_generate_logprobs_equal_score(model, temperature):
+  """Replay ratios need the sampler's log-probs to be exactly the teacher-forced ones (1e-5), entropies too."""
+  out = sampling.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(3), temperature=temperature,
+                          eos_ids=(5, 11), pad_id=0)
+  ids, mask, width = _left_padded(_PROMPTS, out.tokens, out.lengths)
+  logp, ent = scoring.score_jit(model, ids, mask, temperature=temperature, chunk_size=4)
+  np.testing.assert_allclose(np.asarray(logp)[:, width:], out.logprobs, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(ent)[:, width:], out.entropies, atol=1e-5, rtol=0)
+  active = np.arange(_NEW)[None] < out.lengths[:, None]
+  assert np.all(out.logprobs[active] < 0) and np.all(out.logprobs[~active] == 0)
+
+
+def test_stop_tokens_pad_and_lengths(model):
+  """Several stop ids: the row ends at the first one (included), then pad with 0 log-prob and entropy."""
+  free = sampling.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0)
+  # Stop ids: the token each of rows 0 and 2 emits at step 2 (so those rows stop after 3 tokens or earlier).
+  eos = (int(free.tokens[0, 2]), int(free.tokens[2, 2]))
+  out = sampling.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0,
+                          eos_ids=eos, pad_id=63)
+  for row in range(len(_PROMPTS)):
+    hits = [t for t in range(_NEW) if free.tokens[row, t] in eos]
+    expected = hits[0] + 1 if hits else _NEW
+    assert out.lengths[row] == expected, (row, free.tokens[row], eos)
+    np.testing.assert_array_equal(out.tokens[row, :expected], free.tokens[row, :expected])
+    assert np.all(out.tokens[row, expected:] == 63)
+    assert np.all(out.logprobs[row, expected:] == 0) and np.all(out.entropies[row, expected:] == 0)
+    np.testing.assert_allclose(out.logprobs[row, :expected], free.logprobs[row, :expected], atol=1e-6)
+  assert out.lengths[0] <= 3 and out.lengths[2] <= 3
+
+
+def test_no_recompilation_within_a_bucket(model):
+  """Prompts of lengths 5 and 11 both pad to 16: prefill and decode trace once for both batches."""
+  before = dict(sampling.TRACE_COUNTS)
+  kwargs = dict(max_new_tokens=3, temperature=0.0)  # a spec no other test uses, so the first call must trace
+  sampling.generate(model, [[1, 2, 3, 4, 5], [6, 7]], rng=jax.random.key(0), **kwargs)
+  after_first = dict(sampling.TRACE_COUNTS)
+  sampling.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), **kwargs)
+  after_second = dict(sampling.TRACE_COUNTS)
+  for name in ("prefill", "decode"):
+    assert after_first[name] - before.get(name, 0) == 1, name
+    assert after_second[name] == after_first[name], name
+
+
+def test_invalid_arguments(model):
+  with pytest.raises(ValueError, match="empty"):
+    sampling.generate(model, [[1], []], max_new_tokens=2, rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="top_p"):
+    sampling.generate(model, [[1]], max_new_tokens=2, rng=jax.random.key(0), top_p=0.0)
+  with pytest.raises(ValueError, match="vocab_size=64"):
+    sampling.generate(model, [[1, 64]], max_new_tokens=2, rng=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# sample_logits on fixed logits: empirical frequencies against the target distribution.
+
+_LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+_DRAWS = 20000
+
+
+def _target(temperature, top_k, top_p):
+  """The distribution to sample from, written independently of the module: sort, cut, renormalise."""
+  z = _LOGITS.astype(np.float64) / temperature
+  order = np.argsort(-z)
+  keep = np.zeros(len(z), bool)
+  keep[order[:top_k if top_k else len(z)]] = True
+  p = np.where(keep, np.exp(z - z.max()), 0.0)
+  p /= p.sum()
+  if top_p < 1.0:
+    cumulative, nucleus = 0.0, np.zeros(len(z), bool)
+    for i in order:
+      if keep[i] and cumulative < top_p:
+        nucleus[i] = True
+        cumulative += p[i]
+    p = np.where(nucleus, p, 0.0)
+    p /= p.sum()
+  return p
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,support", [
+    (1.0, 0, 1.0, 8),
+    (0.5, 0, 1.0, 8),
+    (2.0, 3, 1.0, 3),
+    # softmax at T=1: .405 .245 .149 .090 ...; mass before each: 0, .405, .650, .799 -> three tokens below 0.7
+    (1.0, 0, 0.7, 3),
+    # top-k 5 at T=0.8, renormalised: .486 .260 .139 .075 .040; mass before: 0, .486, .746, .886, .960 -> four < .9
+    (0.8, 5, 0.9, 4),
+])
+def test_sample_logits_matches_target(temperature, top_k, top_p, support):
+  keys = jax.random.split(jax.random.key(1234), _DRAWS)
+  draw = jax.jit(jax.vmap(lambda k: sampling.sample_logits(jnp.asarray(_LOGITS), k, temperature=temperature,
+                                                           top_k=top_k, top_p=top_p)))
+  tokens, logprobs, entropies = jax.device_get(draw(keys))
+  target = _target(temperature, top_k, top_p)
+  assert int(np.sum(target > 0)) == support
+  counts = np.bincount(tokens, minlength=len(_LOGITS))
+  assert np.all(counts[target == 0] == 0), counts
+  kept = target > 0
+  if support > 1:
+    _, p_value = scipy.stats.chisquare(counts[kept], _DRAWS * target[kept])
+    assert p_value > 1e-3, (counts, _DRAWS * target)
+  np.testing.assert_allclose(logprobs, np.log(target[tokens]), atol=1e-5)
+  entropy = -np.sum(target[kept] * np.log(target[kept]))
+  np.testing.assert_allclose(entropies, entropy, atol=1e-5)
+
+
+def test_sample_logits_greedy():
+  tokens, logprobs, entropies = sampling.sample_logits(jnp.asarray(_LOGITS)[None], jax.random.key(0),
+                                                       temperature=0.0)
+  p = np.exp(_LOGITS - _LOGITS.max())
+  p /= p.sum()
+  assert int(tokens[0]) == 0
+  np.testing.assert_allclose(logprobs[0], np.log(p[0]), atol=1e-6)  # temperature-1 log-prob of the argmax
+  np.testing.assert_allclose(entropies[0], -np.sum(p * np.log(p)), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sharded on the 8 fake devices, and parity with transformers.
+
+
+def test_sharded_generate_equals_single_device(model):
+  """Batch over (data, fsdp) = 4 shards (5 prompts padded to 8), heads over tensor = 2: same tokens as one device."""
+  from jaxrlvr import parallel
+
+  mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+  graphdef, state = nnx.split(model)
+  sharded = nnx.merge(graphdef, jax.device_put(state, parallel.param_shardings(state, mesh)))
+  prompts = _PROMPTS + [[60, 61, 62]]
+  for temperature in (0.0, 1.0):  # sampling too: row keys make draws independent of the padding rows
+    kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(5), temperature=temperature)
+    single = sampling.generate(model, prompts, **kwargs)
+    multi = sampling.generate(sharded, prompts, mesh=mesh, **kwargs)
+    np.testing.assert_array_equal(multi.tokens, single.tokens)
+    np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(multi.lengths, single.lengths)
+
+
+def _hf_model(kind):
+  """A tiny random transformers model (torch, float32) and the kwargs that make it."""
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, rms_norm_eps=1e-6)
+  if kind == "qwen2":
+    config = transformers.Qwen2Config(tie_word_embeddings=True, **common)
+    return transformers.Qwen2ForCausalLM(config).eval()
+  config = transformers.LlamaConfig(tie_word_embeddings=False, **common)
+  return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_greedy_equals_transformers(kind, tmp_path):
+  """Ragged, left-padded greedy decoding gives transformers' greedy `generate` tokens, stop id included."""
+  import torch
+
+  from jaxrlvr.models import load_pretrained
+
+  hf = _hf_model(kind)
+  hf.save_pretrained(tmp_path)
+  ours, _ = load_pretrained(str(tmp_path))
+  prompts = [[5, 17, 33, 2, 90], [41], [7, 7, 8, 60, 12, 3, 71, 1, 44]]
+  new = 8
+  width = max(len(p) for p in prompts)
+  ids = torch.zeros((len(prompts), width), dtype=torch.long)
+  mask = torch.zeros_like(ids)
+  for row, p in enumerate(prompts):
+    ids[row, width - len(p):] = torch.tensor(p)
+    mask[row, width - len(p):] = 1
+  with torch.no_grad():
+    expected = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                           pad_token_id=0, eos_token_id=None)[:, width:].numpy()
+  out = sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0)
+  np.testing.assert_array_equal(out.tokens, expected)
+  # With a stop id (the token row 0 emits at step 3), transformers pads after it just as we do.
+  eos = int(expected[0, 3])
+  with torch.no_grad():
+    stopped = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0,
+                          eos_token_id=eos)[:, width:].numpy()
+  out = sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0, eos_ids=(eos,))
+  assert out.lengths[0] <= 4
+  np.testing.assert_array_equal(out.tokens[:, :stopped.shape[1]], stopped)
+  assert np.all(out.tokens[:, stopped.shape[1]:] == 0)

@@ -1,0 +1,124 @@
+"""The jitted update: micro-batching and devices leave it unchanged; the skip rule holds; the policy moves."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrlvr import parallel
+from jaxrlvr import step as step_lib
+from jaxrlvr.models import ModelConfig
+
+_ROWS, _PROMPT, _COMPLETION, _VOCAB = 16, 4, 6, 32
+_MODEL = ModelConfig(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+
+
+def _config(**train):
+  import configs.exgrpo  # pylint: disable=g-import-not-at-top
+  config = configs.exgrpo.get_config()
+  with config.unlocked():
+    config.rollout.max_new_tokens = _COMPLETION
+    config.loss.entropy_coef = 0.01
+    config.optim.lr = 1e-2
+    for k, v in train.items():
+      section, key = k.split("__")
+      config[section][key] = v
+  return config
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, _VOCAB, size=(_ROWS, _PROMPT + _COMPLETION)).astype(np.int32)
+  attention = np.ones_like(ids)
+  attention[::3, :2] = 0  # left padding of some prompts
+  lengths = rng.integers(1, _COMPLETION + 1, size=_ROWS)
+  completion_mask = (np.arange(_COMPLETION)[None] < lengths[:, None]).astype(np.float32)
+  attention[:, _PROMPT:] = completion_mask
+  completion_mask[-2:] = 0  # two filler rows
+  replayed = np.zeros(_ROWS, bool)
+  replayed[1::4] = True
+  return {
+      "input_ids": ids, "attention_mask": attention.astype(np.int32), "completion_mask": completion_mask,
+      "advantages": np.repeat(rng.normal(size=(_ROWS, 1)), _COMPLETION, 1).astype(np.float32),
+      "old_logp": (-rng.uniform(0.5, 3, size=(_ROWS, _COMPLETION))).astype(np.float32),
+      "behaviour_logp": (-rng.uniform(0.5, 3, size=(_ROWS, _COMPLETION))).astype(np.float32),
+      "replayed": replayed, "clip": ~replayed,
+  }
+
+
+def _run(config, mesh, batch, optimizer=None):
+  model = parallel.create_model(_MODEL, mesh, seed=0)
+  graphdef, params = nnx.split(model)
+  optimizer = optimizer or step_lib.make_optimizer(config)
+  state = step_lib.create_state(params, optimizer, mesh)
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
+                                   batch_sharding=parallel.batch_sharding(mesh))
+  before = jax.device_get(params)  # the update donates `state`
+  new_state, metrics = update(state, parallel.shard_batch(batch, mesh))
+  return before, new_state, jax.device_get(metrics)
+
+
+def _single_device():
+  return parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _assert_params_close(a, b, rtol=1e-5, atol=1e-7):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _gradient(config, mesh, batch):
+  """The summed gradient the update applied, read off an SGD step: (params_before - params_after) / lr.
+
+  The huge learning rate makes the step dwarf the parameters, so float32 rounding of params (~1e-9) stays far below
+  the gradient's own precision.
+  """
+  lr = 1e6
+  before, state, metrics = _run(config, mesh, batch, optimizer=optax.sgd(lr))
+  return jax.tree.map(lambda b, a: (np.asarray(b, np.float64) - np.asarray(a, np.float64)) / lr, before,
+                      jax.device_get(state.params)), metrics
+
+
+def _assert_gradients_equal(a, b):
+  # Relative to the largest entry of each tensor: 1e-5 is float32 accumulation-order noise.
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * max(np.abs(y).max(), 1e-12))
+
+
+def test_update_moves_the_policy_and_reports_metrics():
+  before, state, metrics = _run(_config(), _single_device(), _batch())
+  assert int(state.step) == 1 and int(state.skipped) == 0
+  moved = [np.abs(np.asarray(x) - np.asarray(y)).max() for x, y in
+           zip(jax.tree.leaves(before), jax.tree.leaves(state.params))]
+  assert max(moved) > 1e-4
+  for key in ("loss/policy", "loss/entropy", "optim/grad_norm", "policy/fresh/ratio_mean",
+              "policy/replayed/ratio_mean", "policy/clip_frac_high"):
+    assert np.isfinite(metrics[key]), key
+  assert metrics["policy/replayed/tokens"] > 0 and metrics["optim/skipped"] == 0
+
+
+@pytest.fixture(scope="module")
+def reference_gradient():
+  return _gradient(_config(), _single_device(), _batch())
+
+
+def test_microbatches_give_the_same_gradient(reference_gradient):
+  grads, metrics = _gradient(_config(train__num_microbatches=4), _single_device(), _batch())
+  _assert_gradients_equal(grads, reference_gradient[0])
+  np.testing.assert_allclose(metrics["loss/policy"], reference_gradient[1]["loss/policy"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2)])
+def test_sharded_update_equals_single_device(shape, reference_gradient):
+  grads, metrics = _gradient(_config(), parallel.make_mesh(*shape), _batch())
+  _assert_gradients_equal(grads, reference_gradient[0])
+  np.testing.assert_allclose(metrics["loss/policy"], reference_gradient[1]["loss/policy"], rtol=1e-5)
+
+
+def test_skip_rule_leaves_params_and_counts():
+  before, state, metrics = _run(_config(optim__skip_grad_norm=1e-9), _single_device(), _batch())
+  _assert_params_close(before, state.params, rtol=0, atol=0)
+  assert int(state.skipped) == 1 and metrics["optim/skipped"] == 1
