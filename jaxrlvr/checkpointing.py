@@ -105,6 +105,9 @@ class Checkpointer:
         meta=ocp.args.JsonRestore()))
     return restored.train, unpack_host_state(restored.host["blob"]), restored.meta
 
+  def read_meta(self, step: int) -> dict:
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
   def check_config(self, meta: dict, config: ml_collections.ConfigDict) -> None:
     changes = incompatible_changes(meta["config"], config.to_dict())
     if changes:

@@ -142,6 +142,21 @@ def create_model(model_config: ModelConfig, mesh: Mesh, *, seed: int = 0, rules:
   return nnx.merge(graphdef, state)
 
 
+def model_from_config(config: Any, mesh: Mesh, *, rules: Any = None) -> tuple[Transformer, ModelConfig]:
+  """The run's model, sharded on `mesh`: loaded from `config.model.path` when set (an HF directory), else created
+  from the preset `config.model.preset` with seed `config.seed`. dtypes, attention and remat come from config.model.
+  """
+  from jaxrlvr.models import config as config_lib  # models/__init__ imports hf, which imports this module lazily
+  from jaxrlvr.models import hf
+
+  m = config.model
+  if m.path:
+    return hf.load_pretrained(m.path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh, rules=rules,
+                              attention=m.attention, remat=m.remat)
+  model_config = config_lib.from_config(config)
+  return create_model(model_config, mesh, seed=config.seed, rules=rules), model_config
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding for [B, ...] arrays: the batch dimension over ('data', 'fsdp'), the rest replicated."""
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax import struct
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -297,7 +298,9 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     rng: a jax PRNG key (or an int seed).
     temperature: 0 is greedy; top_k 0 and top_p 1 switch those filters off.
     eos_ids: stop tokens (any number); pad_id fills the prompt padding and the slots after a stop.
-    mesh: run sharded, the batch over ('data', 'fsdp') and KV heads over 'tensor'.
+    mesh: run sharded, the batch over ('data', 'fsdp') and KV heads over 'tensor'. With several processes (multi-host)
+      each calls `generate` with its own prompts and gets its own rows back; every process must call it, with the
+      same `rng` and settings, and a mesh whose batch shards divide evenly among the processes.
     use_cache: False recomputes the full prefix at every step (reference and benchmark baseline).
     return_logits: also return the raw logits [B, N, V] (memory-heavy; tests and debugging).
     pad_batch_to: pad the batch to a multiple of this (besides the mesh's batch shards), so that callers whose batch
@@ -309,21 +312,25 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   _check_sampling_args(max_new_tokens, temperature, top_p, top_k)
   if isinstance(rng, int):
     rng = jax.random.key(rng)
+  elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a legacy uint32 key (jax.random.PRNGKey)
+    rng = jax.random.wrap_key_data(rng)
   graphdef, params = nnx.split(model)
   spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                top_k=int(top_k), top_p=float(top_p), eos_ids=tuple(int(e) for e in eos_ids), pad_id=int(pad_id),
                return_logits=bool(return_logits), mesh=mesh)
   prefill, decode, uncached = _compiled(spec)
   if mesh is not None:
-    ids = jax.device_put(ids, NamedSharding(mesh, P(BATCH_AXES)))
-    mask = jax.device_put(mask, NamedSharding(mesh, P(BATCH_AXES)))
-    rng = jax.device_put(rng, NamedSharding(mesh, P()))
+    ids, mask = _to_global(mesh, ids, P(BATCH_AXES)), _to_global(mesh, mask, P(BATCH_AXES))
+    rng = jax.random.wrap_key_data(_to_global(mesh, np.asarray(jax.random.key_data(rng)), P()),
+                                   impl=jax.random.key_impl(rng))
   if use_cache:
     state = decode(params, prefill(params, ids, mask, rng))
   else:
     state = uncached(params, ids, mask, rng)
-  tokens, logprobs, entropies, lengths, logits = jax.device_get(
-      (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits))
+  outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
+  if jax.process_count() > 1:  # this process's rows only
+    outputs = multihost_utils.global_array_to_host_local_array(outputs, mesh, P(BATCH_AXES))
+  tokens, logprobs, entropies, lengths, logits = jax.device_get(outputs)
   return SampleOutput(tokens=tokens[:batch], logprobs=logprobs[:batch], entropies=entropies[:batch],
                       lengths=lengths[:batch], logits=None if logits is None else logits[:batch])
 
@@ -345,9 +352,14 @@ def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, m
   multiple = int(pad_batch_to)
   if mesh is not None:
     shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-    multiple = multiple * shards // np.gcd(multiple, shards)
-  padded_batch = -(-batch // multiple) * multiple
-  width = bucket_length(max(lengths))
+    if shards % jax.process_count():
+      raise ValueError(f"sampling.py: the batch axes {BATCH_AXES} have {shards} shards, not a multiple of the "
+                       f"{jax.process_count()} processes; each process must own whole batch shards")
+    local_shards = shards // jax.process_count()
+    multiple = multiple * local_shards // np.gcd(multiple, local_shards)
+  # Every process must build the same shapes: agree on the longest prompt and the largest local batch.
+  padded_batch = _process_max(-(-batch // multiple) * multiple)
+  width = bucket_length(_process_max(max(lengths)))
   ids = np.full((padded_batch, width), pad_id, np.int32)
   mask = np.zeros((padded_batch, width), np.int32)
   for row, prompt in enumerate(prompts):
@@ -359,6 +371,21 @@ def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, m
     raise ValueError(f"sampling.py: prompt token ids must lie in [0, vocab_size={vocab}); got min {ids.min()}, "
                      f"max {ids.max()} (pad_id={pad_id})")
   return ids, mask, batch
+
+
+def _process_max(value: int) -> int:
+  """The largest `value` over all processes (itself on one process)."""
+  if jax.process_count() == 1:
+    return int(value)
+  return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
+def _to_global(mesh: jax.sharding.Mesh, local: np.ndarray, spec: P) -> jax.Array:
+  """A global array from this process's part: its rows when `spec` shards dim 0, the whole value if replicated."""
+  sharding = NamedSharding(mesh, spec)
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  return jax.make_array_from_process_local_data(sharding, local)
 
 
 def _check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:

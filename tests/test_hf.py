@@ -191,3 +191,18 @@ def test_unsupported_architecture_option_names_the_key():
   hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
   with pytest.raises(ValueError, match="rope_type='yarn'"):
     hf_lib.config_from_hf(hf)
+
+
+def test_published_config_files_map_to_the_presets():
+  """config.json of Llama-3.1-8B as published (transformers 4 style, abridged to the keys that matter) gives the
+  preset, and every preset survives config_to_hf -> config_from_hf."""
+  llama = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu", "hidden_size": 4096,
+           "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+           "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+           "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+           "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256}
+  assert hf_lib.config_from_hf(llama) == get_preset("llama3.1-8b")
+  assert hf_lib.checkpoint_dtype(llama) == "bfloat16"
+  for name in ("tiny", "qwen2.5-math-1.5b", "qwen2.5-math-7b", "llama3.1-8b", "qwen3-4b"):
+    assert hf_lib.config_from_hf(hf_lib.config_to_hf(get_preset(name))) == get_preset(name), name

@@ -2,6 +2,7 @@
 (8 fake CPU devices from conftest)."""
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -62,10 +63,14 @@ def test_sharded_forward_equals_single_device(shape):
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=1e-5)
 
 
-def test_load_pretrained_places_each_tensor_on_its_shard(tmp_path):
+def test_model_from_config_loads_each_tensor_onto_its_shard(tmp_path):
   mesh = parallel.make_mesh(data=1, fsdp=2, tensor=4)
   save_pretrained(Transformer(_CONFIG, rngs=nnx.Rngs(0)), _CONFIG, str(tmp_path))
-  model, _ = load_pretrained(str(tmp_path), mesh=mesh)
+  run = ml_collections.ConfigDict({"seed": 0, "model": {
+      "preset": "tiny", "path": str(tmp_path), "param_dtype": "float32", "compute_dtype": "float32",
+      "attention": "xla", "remat": True}})
+  model, model_config = parallel.model_from_config(run, mesh)
+  assert model_config == _CONFIG.replace(remat=True)
   embed = model.embed[...]  # [V=64, D=128] -> P('tensor', 'fsdp'): each device holds a [16, 64] block
   assert embed.sharding.spec == P("tensor", "fsdp")
   assert {s.data.shape for s in embed.addressable_shards} == {(16, 64)}

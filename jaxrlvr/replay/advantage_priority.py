@@ -151,11 +151,11 @@ class AdvantagePriority(base.Strategy):
   def observe(self, plan: Plan, sampled: Sequence[Group]) -> None:
     """Insert every rollout of the kept (non-zero-variance) fresh groups, then evict by capacity and tokens."""
     self._require_composed(plan, sampled)
-    for g in plan.info["kept"]:
-      std = float(np.std([r.reward for r in g.rollouts]))
-      for r in g.rollouts:
-        self.store.add(r.tokens, r.logprobs, qid=g.qid, step=r.step, reward=r.reward, advantage=r.advantage,
-                       group_std=std, finished=r.finished)
+    new = [(g, float(np.std([r.reward for r in g.rollouts])), r) for g in plan.info["kept"] for r in g.rollouts]
+    self.store.add_many([r.tokens for _, _, r in new], [r.logprobs for _, _, r in new],
+                        qid=[g.qid for g, _, _ in new], step=[r.step for _, _, r in new],
+                        reward=[r.reward for _, _, r in new], advantage=[r.advantage for _, _, r in new],
+                        group_std=[std for _, std, _ in new], finished=[r.finished for _, _, r in new])
     over_capacity = lambda row: self.store.num_rows > self.capacity
     over_tokens = lambda row: self.max_tokens > 0 and self.store.live_tokens > self.max_tokens
     self._step_metrics["replay/evicted_capacity"] = float(self._evict(over_capacity, "evicted_capacity")

@@ -136,7 +136,7 @@ class BAPO(base.Strategy):
   def observe(self, plan: Plan, sampled: Sequence[Group]) -> None:
     """Update the hard FIFO, record fresh accuracies, keep this step's informative groups for X3."""
     self._require_composed(plan, sampled)
-    acc_sum, n_fresh = 0.0, 0
+    acc_sum, n_fresh, keep = 0.0, 0, []
     for req, g in zip(plan.requests, sampled):
       k, n = base.num_correct(g), len(g.rollouts)
       acc = k / n
@@ -149,10 +149,17 @@ class BAPO(base.Strategy):
       elif g.qid in self._fifo:
         self._fifo.remove(g.qid)
       if 1 <= k <= n - 1:
-        rows = [self.store.add(r.tokens, r.logprobs, qid=g.qid, step=r.step, reward=r.reward, finished=r.finished,
-                               group=self._next_gid) for r in g.rollouts]
-        self._groups[self._next_gid] = [g.qid, plan.step, k, n, rows]
-        self._next_gid += 1
+        keep.append((g, k, n))
+    new = [(gid, g, r) for gid, (g, _, _) in enumerate(keep, start=self._next_gid) for r in g.rollouts]
+    rows = self.store.add_many([r.tokens for _, _, r in new], [r.logprobs for _, _, r in new],
+                               qid=[g.qid for _, g, _ in new], step=[r.step for _, _, r in new],
+                               reward=[r.reward for _, _, r in new], finished=[r.finished for _, _, r in new],
+                               group=[gid for gid, _, _ in new])
+    start = 0
+    for g, k, n in keep:
+      self._groups[self._next_gid] = [g.qid, plan.step, k, n, [int(r) for r in rows[start:start + n]]]
+      self._next_gid += 1
+      start += n
     del self._fifo[:max(0, len(self._fifo) - self.hard_capacity)]
     self._acc_hist.append([plan.step, acc_sum, n_fresh])
     self._forget_before(plan.step + 1 - self.window)  # keep what the next step's window holds

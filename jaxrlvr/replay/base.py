@@ -22,7 +22,6 @@ Nothing here imports jax: replay runs on the host, in numpy.
 """
 import abc
 import dataclasses
-import hashlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -129,19 +128,15 @@ def with_advantages(group: Group, *, scale_by_std: bool, eps: float = 1e-6) -> G
   """A copy of `group` whose rollouts carry the group advantage; rollouts with a stored advantage keep it."""
   rewards = np.array([r.reward for r in group.rollouts], np.float64)
   adv = group_advantages_np(rewards, scale_by_std=scale_by_std, eps=eps)
-  rollouts = [r if r.advantage is not None else dataclasses.replace(r, advantage=float(a))
+  # Direct construction: dataclasses.replace costs ~10x more, and compose builds ~1k of these a step.
+  rollouts = [r if r.advantage is not None else
+              Rollout(r.qid, r.tokens, r.logprobs, r.reward, r.step, r.replayed, float(a), r.finished)
               for r, a in zip(group.rollouts, adv)]
   return Group(group.qid, rollouts, group.source)
 
 
 def num_correct(group: Group) -> int:
   return sum(1 for r in group.rollouts if r.reward >= CORRECT_THRESHOLD)
-
-
-def token_hash(tokens: np.ndarray) -> int:
-  """A stable 63-bit hash of a token sequence (stable across processes, unlike `hash`): dedup keys."""
-  data = np.ascontiguousarray(tokens, np.int32).tobytes()
-  return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 def check_sampled(plan: Plan, sampled: Sequence[Group], where: str) -> None:

@@ -201,8 +201,8 @@ class ExGRPO(base.Strategy):
   def observe(self, plan: Plan, sampled: Sequence[Group]) -> None:
     """Store, bucket and retire from the final groups (the replayed answer counts in k), evict, switch phase."""
     self._require_composed(plan, sampled)
-    stored_before = self._totals["stored"]
-    evicted_before = (self._totals["evicted_rows"], self._totals["evicted_tokens"])
+    pending: dict = {}  # qid -> new correct answers of this step (deduplicated), stored in one batch below
+    latest_k: dict = {}  # qid -> its latest k in 1..K-1 this step
     retired_now = 0
     for g in plan.composed:
       q = g.qid
@@ -211,34 +211,47 @@ class ExGRPO(base.Strategy):
       k, n = base.num_correct(g), len(g.rollouts)
       if k == n:
         self._retire(q)
+        pending.pop(q, None)
+        latest_k.pop(q, None)
         retired_now += 1
       elif k > 0:
+        new = pending.setdefault(q, [])
         for r in g.rollouts:
-          if r.reward >= base.CORRECT_THRESHOLD and not r.replayed:
-            self._store_answer(q, r)
-        self._set_bucket(q, k)
+          if r.reward >= base.CORRECT_THRESHOLD and not r.replayed and not self._is_duplicate(q, r.tokens, new):
+            new.append(r)
+        latest_k[q] = k
+    answers = [(q, r) for q, rs in pending.items() for r in rs]
+    rows = self.store.add_many([r.tokens for _, r in answers], [r.logprobs for _, r in answers],
+                               qid=[q for q, _ in answers], step=[r.step for _, r in answers],
+                               reward=[r.reward for _, r in answers], finished=[r.finished for _, r in answers])
+    for (q, _), row in zip(answers, rows):
+      self._answers.setdefault(q, []).append(int(row))
+    for q, k in latest_k.items():
+      self._set_bucket(q, k)
+    self._totals["stored"] += len(answers)
+    evicted_before = (self._totals["evicted_rows"], self._totals["evicted_tokens"])
     self._evict_to_cap()
     solve_rate = self._step_metrics.get("replay/solve_rate", 0.0)
     if not self.active and solve_rate > self.start_solve_rate:
       self.active = True
     self._step_metrics.update({
-        "replay/stored": float(self._totals["stored"] - stored_before),
+        "replay/stored": float(len(answers)),
         "replay/retired_now": float(retired_now),
         "replay/evicted": float(self._totals["evicted_rows"] - evicted_before[0]),
         "replay/evicted_tokens": float(self._totals["evicted_tokens"] - evicted_before[1]),
     })
 
-  def _store_answer(self, q: int, r: base.Rollout) -> None:
-    tokens = np.asarray(r.tokens, np.int32)
-    h = base.token_hash(tokens)
-    rows = self._answers.setdefault(q, [])
-    if rows:
-      same = np.asarray(rows)[self.store.get("hash", np.asarray(rows)) == h]
-      if any(np.array_equal(self.store.tokens(int(row)), tokens) for row in same):
-        return
-    rows.append(self.store.add(tokens, r.logprobs, qid=q, step=r.step, reward=r.reward, finished=r.finished,
-                               hash_=h))
-    self._totals["stored"] += 1
+  def _is_duplicate(self, q: int, tokens: np.ndarray, pending: list) -> bool:
+    """Same token ids as a stored or pending answer of q (lengths first: most candidates differ there)."""
+    n = len(tokens)
+    if any(len(r.tokens) == n and np.array_equal(r.tokens, tokens) for r in pending):
+      return True
+    rows = self._answers.get(q)
+    if not rows:
+      return False
+    rows = np.asarray(rows)
+    same_length = rows[self.store.get("length", rows) == n]
+    return any(np.array_equal(self.store.tokens(int(row)), tokens) for row in same_length)
 
   def _set_bucket(self, q: int, k: int) -> None:
     if not self._answers.get(q):

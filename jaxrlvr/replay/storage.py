@@ -229,8 +229,8 @@ class RolloutStore:
       self._lp.append(None)
       self._fill.append(0)
       self._dead.append(0)
-    self._tok[page] = np.zeros(size, np.int32)
-    self._lp[page] = np.zeros(size, np.float16)
+    self._tok[page] = np.empty(size, np.int32)  # never read before written: no need to zero 24 MB
+    self._lp[page] = np.empty(size, np.float16)
     self._fill[page] = self._dead[page] = 0
     self._cur = page
     return page

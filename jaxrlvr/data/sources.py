@@ -1,0 +1,272 @@
+"""Question sources: random access to `Example` records by a stable integer id, from any supported format.
+
+    make_source("synthetic:arithmetic")          the embedded task (jaxrlvr/data/synthetic.py)
+    make_source("jsonl:/data/train.jsonl")       one JSON object per line, fields named by the caller
+    make_source("parquet:/data/train.parquet")   verl format: `prompt` chat list, `reward_model.ground_truth`
+    make_source("tfds:NAME[/CONFIG]:SPLIT")       tensorflow-datasets ArrayRecord data (no TensorFlow needed)
+    make_source("hf_disk:/data/ds")              a `datasets` dataset written by `save_to_disk`
+
+Every row is checked when it is read (the file formats: all at load; tfds: at access, since reading a large
+ArrayRecord dataset in full would defeat random access): a missing or empty question or answer stops with the file
+and the row. `qid` is the row's index in its source; `QuestionIterator` (iterator.py) shuffles and shards the ids.
+"""
+import dataclasses
+import json
+import os
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One question. `solution` is a worked solution or reference (the synthetic task's, or a dataset's reference
+  column); `messages` is the verl chat prompt when the source has one."""
+  qid: int
+  question: str
+  answer: str
+  solution: str | None = None
+  data_source: str = ""
+  messages: list[dict[str, str]] | None = None
+
+
+class Source(Protocol):
+  """What the trainer needs from a source: a length and random access by qid."""
+  name: str
+
+  def __len__(self) -> int:
+    ...
+
+  def __getitem__(self, qid: int) -> Example:
+    ...
+
+
+class DataError(ValueError):
+  """A row or a file that cannot be used, with the file and the row in the message."""
+
+
+def _text(value: Any, *, field: str, where: str, required: bool = True) -> str | None:
+  """A field as a non-empty string: bytes are decoded, numbers printed, one-element lists unwrapped."""
+  if isinstance(value, np.generic):
+    value = value.item()
+  if isinstance(value, (list, tuple, np.ndarray)) and len(value) == 1:
+    value = value[0]
+    if isinstance(value, np.generic):
+      value = value.item()
+  if isinstance(value, bytes):
+    value = value.decode("utf-8")
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    value = str(value)
+  if value is None or (isinstance(value, str) and not value.strip()):
+    if required:
+      raise DataError(f"{where}: field '{field}' is missing or empty")
+    return None
+  if not isinstance(value, str):
+    raise DataError(f"{where}: field '{field}' must be text, got {type(value).__name__}: {str(value)[:80]!r}")
+  return value
+
+
+def _messages(value: Any, *, where: str) -> list[dict[str, str]] | None:
+  """A verl `prompt` column as a list of {role, content} dicts, or None when the row has no chat list."""
+  if value is None or isinstance(value, (str, bytes)):
+    return None
+  messages = []
+  for i, message in enumerate(list(value)):
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+      raise DataError(f"{where}: prompt message {i} must have 'role' and 'content', got {str(message)[:80]!r}")
+    messages.append({"role": _text(message["role"], field=f"prompt[{i}].role", where=where),
+                     "content": _text(message["content"], field=f"prompt[{i}].content", where=where)})
+  return messages or None
+
+
+def row_to_example(row: dict[str, Any], *, qid: int, where: str, default_source: str, question_field: str,
+                   answer_field: str, solution_field: str) -> Example:
+  """Reads one row of any file format. The named fields come first; verl columns fill in what they lack.
+
+  question: `question_field`, else the last user message of a verl `prompt` chat list.
+  answer: `answer_field`, else `reward_model.ground_truth`.
+  solution: `solution_field`, else a LUFFY-style `target` (reference answer as chat messages), else None.
+  """
+  messages = _messages(row.get("prompt"), where=where)
+  if row.get(question_field) is not None:
+    question = _text(row[question_field], field=question_field, where=where)
+  elif messages:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+      raise DataError(f"{where}: the 'prompt' chat list has no user message")
+    question = users[-1]
+  else:
+    raise DataError(f"{where}: field '{question_field}' is missing or empty (and there is no verl 'prompt')")
+  reward_model = row.get("reward_model")
+  if row.get(answer_field) is not None or not isinstance(reward_model, dict):
+    answer = _text(row.get(answer_field), field=answer_field, where=where)
+  else:
+    answer = _text(reward_model.get("ground_truth"), field="reward_model.ground_truth", where=where)
+  solution = _text(row.get(solution_field), field=solution_field, where=where, required=False)
+  if solution is None and row.get("target") is not None:
+    target = row["target"]
+    if isinstance(target, (list, tuple)) and target and isinstance(target[0], dict):
+      target = target[0].get("content")
+    solution = _text(target, field="target", where=where, required=False)
+  data_source = _text(row.get("data_source"), field="data_source", where=where, required=False)
+  return Example(qid=qid, question=question, answer=answer, solution=solution,
+                 data_source=data_source or default_source, messages=messages)
+
+
+class ListSource:
+  """Examples held in memory (the file formats are read and checked in full at load)."""
+
+  def __init__(self, name: str, examples: Sequence[Example]):
+    if not examples:
+      raise DataError(f"data source {name!r} has no rows")
+    self.name = name
+    self._examples = list(examples)
+
+  def __len__(self) -> int:
+    return len(self._examples)
+
+  def __getitem__(self, qid: int) -> Example:
+    return self._examples[qid]
+
+
+def _field_kwargs(question_field: str, answer_field: str, solution_field: str) -> dict[str, str]:
+  return dict(question_field=question_field, answer_field=answer_field, solution_field=solution_field)
+
+
+def _check_file(path: str, spec: str) -> None:
+  if not os.path.exists(path):
+    raise DataError(f"data source {spec!r}: {path} does not exist")
+
+
+def load_jsonl(path: str, *, question_field: str = "question", answer_field: str = "answer",
+               solution_field: str = "solution") -> ListSource:
+  """One JSON object per line; blank lines are skipped (qids count the rows, errors name the line)."""
+  _check_file(path, f"jsonl:{path}")
+  name = os.path.splitext(os.path.basename(path))[0]
+  examples = []
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path} line {line_number} (row {len(examples)})"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+      examples.append(row_to_example(row, qid=len(examples), where=where, default_source=name,
+                                     **_field_kwargs(question_field, answer_field, solution_field)))
+  return ListSource(f"jsonl:{path}", examples)
+
+
+def load_parquet(path: str, *, question_field: str = "question", answer_field: str = "answer",
+                 solution_field: str = "solution") -> ListSource:
+  """A parquet file, typically verl's layout (`prompt`, `reward_model`, `data_source`, ...)."""
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  _check_file(path, f"parquet:{path}")
+  table = pq.read_table(path)
+  name = os.path.splitext(os.path.basename(path))[0]
+  wanted = {question_field, answer_field, solution_field, "prompt", "reward_model", "target", "data_source"}
+  columns = {c: table.column(c).to_pylist() for c in table.column_names if c in wanted}
+  examples = []
+  for i in range(table.num_rows):
+    row = {c: values[i] for c, values in columns.items()}
+    examples.append(row_to_example(row, qid=i, where=f"{path} row {i}", default_source=name,
+                                   **_field_kwargs(question_field, answer_field, solution_field)))
+  return ListSource(f"parquet:{path}", examples)
+
+
+def load_hf_disk(path: str, *, split: str = "train", question_field: str = "question",
+                 answer_field: str = "answer", solution_field: str = "solution") -> ListSource:
+  """A `datasets.Dataset` (or a `DatasetDict`, from which `split` is taken) saved with `save_to_disk`."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  _check_file(path, f"hf_disk:{path}")
+  dataset = datasets.load_from_disk(path)
+  if isinstance(dataset, datasets.DatasetDict):
+    if split not in dataset:
+      raise DataError(f"hf_disk:{path}: no split {split!r}; it has {sorted(dataset)}")
+    dataset = dataset[split]
+  name = os.path.basename(os.path.normpath(path))
+  examples = [row_to_example(row, qid=i, where=f"{path} row {i}", default_source=name,
+                             **_field_kwargs(question_field, answer_field, solution_field))
+              for i, row in enumerate(dataset)]
+  return ListSource(f"hf_disk:{path}", examples)
+
+
+class TfdsSource:
+  """A tfds dataset through `tfds.data_source` (ArrayRecord random access). Rows are checked when read."""
+
+  def __init__(self, name: str, split: str, *, data_dir: str | None, question_field: str, answer_field: str,
+               solution_field: str):
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    self.name = f"tfds:{name}:{split}"
+    self._fields = _field_kwargs(question_field, answer_field, solution_field)
+    self._default_source = name
+    data_dir = data_dir or os.environ.get("TFDS_DATA_DIR") or None
+    try:
+      self._rows = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as e:  # tfds raises several types, some with a list of every dataset it knows.
+      raise DataError(f"data source {self.name!r} (data_dir={data_dir!r}) cannot be opened: "
+                      f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+    if len(self._rows) == 0:
+      raise DataError(f"data source {self.name!r} (data_dir={data_dir!r}) has no rows")
+    self._where = os.path.join(data_dir or "~/tensorflow_datasets", name)
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def __getitem__(self, qid: int) -> Example:
+    if not 0 <= qid < len(self._rows):
+      raise IndexError(f"{self.name}: qid {qid} is outside [0, {len(self._rows)})")
+    return row_to_example(dict(self._rows[qid]), qid=qid, where=f"{self._where} ({self.name}) row {qid}",
+                          default_source=self._default_source, **self._fields)
+
+
+def make_source(spec: str, *, split: str = "train", question_field: str = "question", answer_field: str = "answer",
+                solution_field: str = "solution", seed: int = 0, size: int | None = None,
+                data_dir: str | None = None) -> Source:
+  """Opens the source named by `spec` (see the module docstring for the forms).
+
+  Args:
+    split: 'train' or 'test' for the synthetic task; the split of an hf_disk DatasetDict; the tfds split when
+      the spec has none. A jsonl or parquet file is one split.
+    seed: the synthetic task's question set (its train and test questions are disjoint for every seed).
+    size: number of synthetic questions (default 20,000 train, 200 test).
+    data_dir: the tfds data directory (default $TFDS_DATA_DIR, then tfds's own default).
+  """
+  kind, _, rest = spec.partition(":")
+  fields = _field_kwargs(question_field, answer_field, solution_field)
+  if kind == "synthetic":
+    from jaxrlvr.data import synthetic  # pylint: disable=g-import-not-at-top
+    if rest != "arithmetic":
+      raise DataError(f"data source {spec!r}: unknown synthetic task {rest!r}; known: 'arithmetic'")
+    return synthetic.ArithmeticSource(split=split, seed=seed, size=size)
+  if not rest:
+    raise DataError(f"data source {spec!r} names no path; expected e.g. 'jsonl:/data/train.jsonl'")
+  if kind == "jsonl":
+    return load_jsonl(rest, **fields)
+  if kind == "parquet":
+    return load_parquet(rest, **fields)
+  if kind == "hf_disk":
+    return load_hf_disk(rest, split=split, **fields)
+  if kind == "tfds":
+    name, _, tfds_split = rest.rpartition(":") if ":" in rest else (rest, "", split)
+    return TfdsSource(name, tfds_split or split, data_dir=data_dir, **fields)
+  raise DataError(f"data source {spec!r}: unknown kind {kind!r}; known: synthetic, jsonl, parquet, tfds, hf_disk")
+
+
+def sources_from_config(config) -> tuple[Source, Source]:
+  """(train source, held-out source) from `config.data` and `config.seed`.
+
+  Reads data.{source, eval_source, question_field, answer_field, solution_field, eval_size} and, when present,
+  data.data_dir (tfds). An empty eval_source means the held-out split of the synthetic task.
+  """
+  data = config.data
+  kwargs = dict(question_field=data.question_field, answer_field=data.answer_field,
+                solution_field=data.solution_field, seed=config.seed, data_dir=data.get("data_dir") or None)
+  train = make_source(data.source, split="train", **kwargs)
+  eval_spec = data.eval_source or "synthetic:arithmetic"
+  held_out = make_source(eval_spec, split="test", size=data.eval_size if eval_spec.startswith("synthetic:") else None,
+                         **kwargs)
+  return train, held_out

@@ -1,0 +1,119 @@
+"""The embedded task: graded arithmetic that a ~1M-parameter model learns on a laptop CPU in minutes.
+
+Four levels, mixed evenly (qid % 4), fixed-width operands, answers in `\\boxed{}`:
+
+    level    question      solution (the warm start's target)
+    add2     47+38         \\boxed{85}
+    add3     472+389       \\boxed{861}
+    addsub2  47+38-21      85-21=\\boxed{64}        (one worked step; c <= a+b, so answers are >= 0)
+    mul1x2   7*38          \\boxed{266}
+
+A prototype on this task (DESIGN.md, "The embedded default") reached 54/28/6/10% greedy accuracy by level after
+the warm start: the levels spread a tiny model over every solve rate, which is what fills ExGRPO's buckets.
+With the embedded tokenizer and the `plain` template a prompt is at most 15 tokens ("Q: 47+38-21\\nA: ") and a
+solution at most 11 including the stop token.
+
+Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_LEVEL` questions of
+each permutation are reserved for the 'test' split whatever its size, so 'train' never contains a test question.
+'train' walks the rest and wraps around when asked for more (mul1x2 has only 720 - 128 = 592 train questions).
+"""
+import functools
+
+import numpy as np
+
+from jaxrlvr.data.sources import DataError
+from jaxrlvr.data.sources import Example
+
+HELD_OUT_PER_LEVEL = 128  # Test questions reserved per level: a test split holds at most 4 x 128 = 512.
+DEFAULT_SIZES = {"train": 20_000, "test": 200}
+LEVELS = ("add2", "add3", "addsub2", "mul1x2")
+_TWO_DIGIT = np.arange(10, 100)
+
+
+def _level_space(level: str) -> int:
+  """How many distinct questions a level has before filtering."""
+  return {"add2": 90 * 90, "add3": 900 * 900, "addsub2": 90 ** 3, "mul1x2": 8 * 90}[level]
+
+
+def _operands(level: str, index: np.ndarray) -> tuple[np.ndarray, ...]:
+  """Decodes enumeration indices into operands, vectorised: add2 (a, b), add3 (a, b), addsub2 (a, b, c), mul (d, x)."""
+  if level == "add2":
+    return 10 + index // 90, 10 + index % 90
+  if level == "add3":
+    return 100 + index // 900, 100 + index % 900
+  if level == "addsub2":
+    return 10 + index // 8100, 10 + (index // 90) % 90, 10 + index % 90
+  return 2 + index // 90, 10 + index % 90  # mul1x2: 1-digit factor 2..9 (x1 would be a copy) times 10..99.
+
+
+@functools.lru_cache(maxsize=16)
+def _permutation(level: str, seed: int) -> np.ndarray:
+  """The level's valid questions in a seed-dependent order (addsub2 keeps only c <= a+b)."""
+  index = np.random.default_rng([seed, LEVELS.index(level)]).permutation(_level_space(level))
+  if level == "addsub2":
+    a, b, c = _operands(level, index)
+    index = index[c <= a + b]
+  return index
+
+
+def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
+  """(question, answer, solution) text for one question."""
+  if level in ("add2", "add3"):
+    a, b = operands
+    return f"{a}+{b}", str(a + b), f"\\boxed{{{a + b}}}"
+  if level == "addsub2":
+    a, b, c = operands
+    return f"{a}+{b}-{c}", str(a + b - c), f"{a + b}-{c}=\\boxed{{{a + b - c}}}"
+  d, x = operands
+  return f"{d}*{x}", str(d * x), f"\\boxed{{{d * x}}}"
+
+
+class ArithmeticSource:
+  """`synthetic:arithmetic` as a Source: deterministic from (seed, split, qid), nothing stored but permutations."""
+
+  def __init__(self, *, split: str = "train", seed: int = 0, size: int | None = None):
+    if split not in DEFAULT_SIZES:
+      raise DataError(f"synthetic:arithmetic: split must be 'train' or 'test', got {split!r}")
+    size = DEFAULT_SIZES[split] if size is None else int(size)
+    if size < 1:
+      raise DataError(f"synthetic:arithmetic: size ({size}) must be >= 1")
+    if split == "test" and size > len(LEVELS) * HELD_OUT_PER_LEVEL:
+      raise DataError(f"synthetic:arithmetic: test size ({size}) must be <= {len(LEVELS) * HELD_OUT_PER_LEVEL} "
+                      f"({HELD_OUT_PER_LEVEL} reserved questions per level)")
+    self.name = f"synthetic:arithmetic:{split}"
+    self.split, self.seed, self.size = split, seed, size
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, qid: int) -> Example:
+    if not 0 <= qid < self.size:
+      raise IndexError(f"{self.name}: qid {qid} is outside [0, {self.size})")
+    level = LEVELS[qid % len(LEVELS)]
+    order = _permutation(level, self.seed)
+    j = qid // len(LEVELS)
+    if self.split == "test":
+      position = j
+    else:
+      position = HELD_OUT_PER_LEVEL + j % (len(order) - HELD_OUT_PER_LEVEL)
+    operands = tuple(int(v) for v in _operands(level, np.asarray(order[position])))
+    question, answer, solution = _render(level, operands)
+    return Example(qid=qid, question=question, answer=answer, solution=solution,
+                   data_source=f"arithmetic/{level}")
+
+
+def warm_start_texts(source, *, template: str = "plain", tokenizer=None, qids=None) -> list[tuple[str, str]]:
+  """(prompt, completion) pairs for the supervised warm start: the loss goes on the completion only.
+
+  The completion is the example's worked solution followed by the tokenizer's eos token (the stop token the
+  sampler ends on), so the model learns to stop. Every example must carry a solution.
+  """
+  from jaxrlvr.data import templates  # pylint: disable=g-import-not-at-top
+  eos = (getattr(tokenizer, "eos_token", None) or "") if tokenizer is not None else ""
+  pairs = []
+  for qid in range(len(source)) if qids is None else qids:
+    example = source[qid]
+    if not example.solution:
+      raise DataError(f"{source.name} qid {qid}: no solution to warm-start on")
+    pairs.append((templates.format_prompt(example, template=template, tokenizer=tokenizer), example.solution + eos))
+  return pairs

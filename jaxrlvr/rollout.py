@@ -1,0 +1,166 @@
+"""The one place text meets arrays: question ids -> prompt token ids -> sampler -> completions -> rewards -> Batch.
+
+Everything on either side works on ids: replay on question ids and completion token ids, the update on fixed-shape
+arrays. Here prompts are formatted and tokenised (once per question, cached), completions are decoded for the
+verifier, and the final groups become the padded batch of `step.make_update_fn`:
+
+  input_ids      [R, P + T]  prompt left-padded to P, completion right-padded to T
+  attention_mask [R, P + T]
+  completion_mask[R, T]      1 on completion tokens of rows that train (0 for filler rows)
+  advantages     [R, T]      the row's advantage on every token
+  behaviour_logp [R, T]      log-probs of the policy that sampled each token (sampler's, or recorded for replay)
+  replayed       [R]         bool
+  clip           [R]         bool: the PPO clip applies to this row's fresh tokens
+R is fixed per run (filler rows pad it), so the update compiles once.
+"""
+from collections.abc import Callable, Sequence
+import dataclasses
+
+import numpy as np
+
+from jaxrlvr import data as data_lib
+from jaxrlvr import replay
+from jaxrlvr import sampling
+
+
+class PromptBook:
+  """Question id -> prompt token ids and gold answer, tokenised once per question."""
+
+  def __init__(self, source, tokenizer, *, template: str, max_prompt_len: int):
+    self.source = source
+    self.tokenizer = tokenizer
+    self.template = template
+    self.max_prompt_len = max_prompt_len
+    self._ids: dict[int, list[int]] = {}
+
+  def example(self, qid: int):
+    return self.source[qid]
+
+  def prompt_ids(self, qid: int) -> list[int]:
+    if qid not in self._ids:
+      text = data_lib.format_prompt(self.source[qid], template=self.template, tokenizer=self.tokenizer)
+      ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+      if not 0 < len(ids) <= self.max_prompt_len:
+        raise ValueError(f"question {qid} of {self.source!r}: its prompt has {len(ids)} tokens, but "
+                         f"data.max_prompt_len is {self.max_prompt_len}; raise it or filter the data")
+      self._ids[qid] = ids
+    return self._ids[qid]
+
+  def answer(self, qid: int) -> str:
+    return self.source[qid].answer
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+  max_new_tokens: int
+  temperature: float
+  top_p: float
+  top_k: int
+  eos_ids: tuple[int, ...]
+  pad_id: int
+
+
+def decode(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+  return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens, lengths)], skip_special_tokens=True)
+
+
+def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[replay.Request], book: PromptBook,
+                  reward_pool, settings: SamplerSettings, *, step: int, rng, mesh=None,
+                  pad_batch_to: int = 1) -> tuple[list[replay.Group], dict]:
+  """Samples every request (grouped by the policy version it asks for) and scores the completions.
+
+  Returns one Group per request, in order, and host-side info (tokens sampled, reward counters).
+  """
+  import jax  # pylint: disable=g-import-not-at-top  (keeps `rollout` importable for host-only tools)
+  groups: list[replay.Group | None] = [None] * len(requests)
+  info = {"rollout/sampled_tokens": 0.0, "reward/timeouts": 0.0, "reward/crashes": 0.0}
+  for delay in sorted({r.policy_delay for r in requests}):
+    indices = [i for i, r in enumerate(requests) if r.policy_delay == delay]
+    prompts = [book.prompt_ids(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
+    out = sampling.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
+                            rng=jax.random.fold_in(rng, delay), temperature=settings.temperature,
+                            top_p=settings.top_p, top_k=settings.top_k, eos_ids=settings.eos_ids,
+                            pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to)
+    answers = [book.answer(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
+    rewards, reward_info = reward_pool.score(decode(book.tokenizer, out.tokens, out.lengths), answers)
+    info["rollout/sampled_tokens"] += float(out.lengths.sum())
+    info["reward/timeouts"] += reward_info.get("timeouts", 0)
+    info["reward/crashes"] += reward_info.get("crashes", 0)
+    row = 0
+    for i in indices:
+      rollouts = []
+      for _ in range(requests[i].n_samples):
+        n = int(out.lengths[row])
+        tokens = out.tokens[row, :n].copy()
+        finished = n > 0 and int(tokens[-1]) in settings.eos_ids
+        rollouts.append(replay.Rollout(qid=requests[i].qid, tokens=tokens, logprobs=out.logprobs[row, :n].copy(),
+                                       reward=float(rewards[row]), step=step, finished=finished))
+        row += 1
+      groups[i] = replay.Group(requests[i].qid, rollouts, source=requests[i].kind)
+  return groups, info
+
+
+def pack_rows(book: PromptBook, qids: Sequence[int], completions: Sequence[np.ndarray], *, prompt_len: int,
+              completion_len: int, rows: int, pad_id: int) -> dict:
+  """Prompt + completion token rows in the batch layout; rows beyond len(qids) are filler (one pad token)."""
+  if len(qids) > rows:
+    raise ValueError(f"{len(qids)} rollouts do not fit the batch of {rows} rows")
+  ids = np.full((rows, prompt_len + completion_len), pad_id, np.int32)
+  attention = np.zeros_like(ids)
+  completion_mask = np.zeros((rows, completion_len), np.float32)
+  for row, (qid, completion) in enumerate(zip(qids, completions)):
+    prompt = book.prompt_ids(qid)
+    n = len(completion)
+    if n > completion_len:
+      raise ValueError(f"a completion of question {qid} has {n} tokens; the batch holds {completion_len}")
+    ids[row, prompt_len - len(prompt):prompt_len] = prompt
+    ids[row, prompt_len:prompt_len + n] = completion
+    attention[row, prompt_len - len(prompt):prompt_len + n] = 1
+    completion_mask[row, :n] = 1
+  attention[len(qids):, prompt_len - 1] = 1  # filler rows: one visible token, so no attention row is empty
+  return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion_mask}
+
+
+def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len: int, completion_len: int,
+                rows: int, pad_id: int, clip_fresh: bool) -> dict:
+  """The update's batch (module doc) from the final groups, whose every rollout has its advantage set."""
+  rollouts = [r for g in groups for r in g.rollouts]
+  batch = pack_rows(book, [r.qid for r in rollouts], [r.tokens for r in rollouts], prompt_len=prompt_len,
+                    completion_len=completion_len, rows=rows, pad_id=pad_id)
+  advantages = np.zeros((rows, completion_len), np.float32)
+  behaviour = np.zeros((rows, completion_len), np.float32)
+  replayed = np.zeros(rows, bool)
+  for row, r in enumerate(rollouts):
+    if r.advantage is None:
+      raise ValueError(f"a rollout of question {r.qid} reached the batch without an advantage")
+    if r.logprobs is None or len(r.logprobs) != len(r.tokens):
+      raise ValueError(f"a rollout of question {r.qid} (replayed={r.replayed}) has no recorded behaviour "
+                       "log-probs; its importance ratio would be meaningless")
+    advantages[row] = r.advantage
+    behaviour[row, :len(r.logprobs)] = r.logprobs
+    replayed[row] = r.replayed
+  batch.update(advantages=advantages, behaviour_logp=behaviour, replayed=replayed,
+               clip=np.full(rows, clip_fresh, bool))
+  return batch
+
+
+def answer_entropy_batch(book: PromptBook, score_requests: Sequence[replay.ScoreRequest], *, prompt_len: int,
+                         completion_len: int, rows: int, pad_id: int) -> tuple[dict, list[tuple[int, int]]]:
+  """ExGRPO: the stored answers to score, packed; and (request, answer) of each row, to read the result back."""
+  qids, completions, owners = [], [], []
+  for k, request in enumerate(score_requests):
+    for j, tokens in enumerate(request.tokens):
+      qids.append(request.qid)
+      completions.append(np.asarray(tokens))
+      owners.append((k, j))
+  return pack_rows(book, qids, completions, prompt_len=prompt_len, completion_len=completion_len, rows=rows,
+                   pad_id=pad_id), owners
+
+
+def mean_entropies(entropies: np.ndarray, completion_mask: np.ndarray, owners, score_requests) -> list[np.ndarray]:
+  """Per score request, the mean per-token entropy of each of its stored answers (over the answer's tokens only)."""
+  per_row = (entropies * completion_mask).sum(-1) / np.maximum(completion_mask.sum(-1), 1)
+  out = [np.zeros(len(r.tokens), np.float32) for r in score_requests]
+  for row, (k, j) in enumerate(owners):
+    out[k][j] = per_row[row]
+  return out

@@ -1,0 +1,258 @@
+"""The training loop, read top to bottom: mesh, data, model, replay and rewards, restore, then per step
+plan (replay) -> sample -> reward -> compose and observe (replay) -> update -> log -> eval -> checkpoint.
+"""
+import collections
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from jaxrlvr import checkpointing
+from jaxrlvr import config_lib
+from jaxrlvr import data as data_lib
+from jaxrlvr import evaluate as evaluate_lib
+from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import models
+from jaxrlvr import parallel
+from jaxrlvr import replay
+from jaxrlvr import rewards
+from jaxrlvr import rollout
+from jaxrlvr import sampling
+from jaxrlvr import step as step_lib
+from jaxrlvr import warm_start
+
+
+def batch_rows(config: ml_collections.ConfigDict, batch_shards: int) -> int:
+  """Rows of every update batch: the most rollouts the method can put in one step, rounded up so that every
+  optimizer step's micro-batches split evenly over the batch shards (filler rows make up the difference)."""
+  rollouts = config.rollout.batch_size * config.rollout.group_size
+  if config.replay.name == "advantage_priority" and config.replay.composition == "fresh_anchored":
+    rollouts += int(round(config.replay.replay_fraction * rollouts))
+  multiple = config.train.num_minibatches * config.train.num_microbatches * batch_shards
+  return -(-rollouts // multiple) * multiple
+
+
+def build_policy(config, mesh, tokenizer, train_set):
+  """The policy to start RL from: an HF checkpoint, or a preset initialised at random (+ the embedded warm start)."""
+  if config.model.path:
+    return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh)
+  model_config = models.get_preset(config.model.preset)
+  model_config = dataclasses.replace(model_config, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
+                                      remat=config.model.remat, attention=config.model.attention)
+  if len(tokenizer) > model_config.vocab_size:
+    raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model preset {config.model.preset!r} has "
+                     f"vocab_size {model_config.vocab_size}")
+  model = parallel.create_model(model_config, mesh, seed=config.seed)
+  if config.warm_start.steps:
+    pairs = data_lib.warm_start_pairs(train_set, tokenizer, template=config.tokenizer.template,
+                                      max_prompt_len=config.data.max_prompt_len,
+                                      max_completion_len=config.rollout.max_new_tokens)
+    model = warm_start.cached_warm_start(
+        model, model_config, tokenizer, pairs, task=config.data.source, steps=config.warm_start.steps,
+        lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
+        prompt_len=config.data.max_prompt_len, completion_len=config.rollout.max_new_tokens,
+        cache_dir=config.warm_start.cache_dir, mesh=mesh, batch_sharding=parallel.batch_sharding(mesh))
+  return model, model_config
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains (or resumes, or reports a finished run) and returns the last logged metrics."""
+  # ------------------------------------------------------------------------------------------------ Mesh
+  num_devices = jax.device_count()
+  config_lib.validate(config, num_devices=num_devices)
+  mesh = parallel.make_mesh(*config_lib.mesh_shape(config.mesh, num_devices))
+  batch_sharding = parallel.batch_sharding(mesh)
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+
+  # ------------------------------------------------------------------------------------------------ Checkpoints
+  checkpointer = checkpointing.Checkpointer(workdir, keep=config.keep_checkpoints)
+  latest = checkpointer.latest_step()
+  if latest is not None and latest >= config.total_steps:
+    logging.info("run in %s already finished at step %d of %d", workdir, latest, config.total_steps)
+    print(f"jaxrlvr: the run in {workdir} is finished (step {latest} of {config.total_steps}); nothing to do.")
+    return {}
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+
+  # ------------------------------------------------------------------------------------------------ Data
+  tokenizer = data_lib.load_tokenizer(config.tokenizer.path)
+  source_kwargs = dict(question_field=config.data.question_field, answer_field=config.data.answer_field,
+                       solution_field=config.data.solution_field, seed=config.seed)
+  train_set = data_lib.make_source(config.data.source, split="train", **source_kwargs)
+  eval_set = data_lib.make_source(config.data.eval_source or config.data.source, split="test", **source_kwargs)
+  eval_qids = list(range(len(eval_set)))[:config.data.eval_size or None]
+  questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=jax.process_index(),
+                                        num_hosts=jax.process_count())
+  book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
+                            max_prompt_len=config.data.max_prompt_len)
+  eval_book = rollout.PromptBook(eval_set, tokenizer, template=config.tokenizer.template,
+                                 max_prompt_len=config.data.max_prompt_len)
+  sampler = rollout.SamplerSettings(
+      max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
+      top_p=config.rollout.top_p, top_k=config.rollout.top_k, eos_ids=tuple(data_lib.stop_token_ids(tokenizer)),
+      pad_id=tokenizer.pad_token_id)
+  prompt_len = sampling.bucket_length(config.data.max_prompt_len)
+  completion_len = config.rollout.max_new_tokens
+  rows = batch_rows(config, batch_shards)
+
+  # ------------------------------------------------------------------------------------------------ Model
+  model, model_config = build_policy(config, mesh, tokenizer, train_set)
+  graphdef, params = nnx.split(model)
+  logging.info("policy: %s parameters\n%s", f"{parallel.param_count(model):,}", parallel.describe_sharding(model))
+  optimizer = step_lib.make_optimizer(config)
+  state = step_lib.create_state(params, optimizer, mesh)
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
+                                   batch_sharding=batch_sharding)
+  score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature or 1.0,
+                                 batch_sharding=batch_sharding)
+  reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
+
+  # ------------------------------------------------------------------------------------------------ Replay, rewards
+  strategy = replay.make(config.replay.name, config)
+  reward_pool = rewards.MathRewardPool.from_config(config)
+  max_delay = config.replay.get("policy_delay", 0)
+  # BAPO samples with the parameters of `policy_delay` updates ago: history[d] = params d updates ago.
+  history = collections.deque(maxlen=max_delay) if max_delay else None
+
+  # ------------------------------------------------------------------------------------------------ Restore
+  start_step = 0
+  if latest is not None:
+    meta = checkpointer.read_meta(latest)
+    checkpointer.check_config(meta, config)
+    train_target = {"state": state, "history": [state.params] * meta["history_len"]}
+    restored, host, _ = checkpointer.restore(latest, checkpointing.abstract_like(train_target))
+    state = restored["state"]
+    if history is not None:
+      history.extend(restored["history"])
+    strategy.load_state_dict(host["replay"])
+    questions.load_state_dict(host["data"])
+    start_step = latest
+    logging.info("resumed from %s at step %d", checkpointer.directory, latest)
+  writer = metrics_lib.MetricWriter(workdir, total_steps=config.total_steps, initial_step=start_step,
+                                    enabled=is_main)
+  rng = jax.random.key(config.seed)
+
+  def policy(params):
+    return nnx.merge(graphdef, params)
+
+  def evaluate(params) -> dict:
+    eval_model = policy(params)
+
+    def generate_fn(qids, temperature, n):
+      out = sampling.generate(eval_model, [eval_book.prompt_ids(q) for q in qids for _ in range(n)],
+                              max_new_tokens=completion_len, rng=jax.random.key(config.seed + 1),
+                              temperature=temperature, eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh)
+      return rollout.decode(tokenizer, out.tokens, out.lengths), out.lengths
+
+    return evaluate_lib.evaluate(generate_fn, eval_set, eval_qids, reward_pool=reward_pool, k=config.eval.k,
+                                 temperature=config.eval.temperature)
+
+  def save(step: int) -> None:
+    hist = list(history or ())
+    checkpointer.save(step, {"state": state, "history": hist},
+                      {"replay": strategy.state_dict(), "data": questions.state_dict()},
+                      {"step": step, "config": config.to_dict(), "history_len": len(hist)})
+
+  if start_step == 0:
+    writer.write(0, evaluate(state.params))
+
+  # ------------------------------------------------------------------------------------------------ Train loop
+  last = dict(writer.latest)
+  for step in range(start_step, config.total_steps):
+    t_step = time.perf_counter()
+    step_rng = jax.random.fold_in(rng, step)
+
+    # Plan: which questions, fresh or from the buffer; ExGRPO scores the stored answers it may replay.
+    t = time.perf_counter()
+    plan = strategy.plan(step, questions.next)
+    if plan.score_requests:
+      entropy_batch, owners = rollout.answer_entropy_batch(
+          book, plan.score_requests, prompt_len=prompt_len, completion_len=completion_len,
+          rows=_round_up(sum(len(r.tokens) for r in plan.score_requests), rows), pad_id=sampler.pad_id)
+      _, entropies = score(state.params, parallel.shard_batch(entropy_batch, mesh))
+      plan = strategy.select(plan, rollout.mean_entropies(np.asarray(entropies), entropy_batch["completion_mask"],
+                                                          owners, plan.score_requests))
+    time_replay = time.perf_counter() - t
+
+    # Sample and reward.
+    t = time.perf_counter()
+    sampled, rollout_info = rollout.sample_groups(
+        lambda delay: policy(history[min(delay, len(history)) - 1] if delay and history else state.params),
+        plan.requests, book, reward_pool, sampler, step=step, rng=step_rng, mesh=mesh,
+        pad_batch_to=config.rollout.batch_size * config.rollout.group_size)
+    time_rollout = time.perf_counter() - t
+
+    # Compose the batch and let the strategy learn from what was sampled.
+    t = time.perf_counter()
+    groups = strategy.compose(plan, sampled)
+    strategy.observe(plan, sampled)
+    time_replay += time.perf_counter() - t
+
+    # Update: old log-probs under the current params, then the jitted optimizer steps.
+    t = time.perf_counter()
+    clip_fresh = config.loss.clip and (config.loss.mixed_clip or not getattr(strategy, "active", False))
+    batch = parallel.shard_batch(rollout.build_batch(
+        groups, book, prompt_len=prompt_len, completion_len=completion_len, rows=rows, pad_id=sampler.pad_id,
+        clip_fresh=clip_fresh), mesh)
+    batch["old_logp"], _ = score(state.params, batch)
+    if reference is not None:
+      batch["ref_logp"], _ = score(reference, batch)
+    mismatch = _sampler_mismatch(batch)
+    if history is not None:
+      history.appendleft(jax.tree.map(jnp.copy, state.params))
+    state, update_metrics = update(state, batch)
+    jax.block_until_ready(state.step)
+    time_update = time.perf_counter() - t
+
+    # Log.
+    done = step + 1
+    if done % config.log_every == 0 or done == config.total_steps:
+      sampled_rollouts = [r for g in sampled for r in g.rollouts]
+      row = {
+          **jax.device_get(update_metrics), **jax.device_get(mismatch), **rollout_info, **strategy.metrics(),
+          "rollout/solve_rate": np.mean([r.reward >= replay.CORRECT_THRESHOLD for r in sampled_rollouts]),
+          "rollout/response_length": np.mean([len(r.tokens) for r in sampled_rollouts]),
+          "rollout/truncated": np.mean([not r.finished for r in sampled_rollouts]),
+          "time/rollout_s": time_rollout, "time/update_s": time_update, "time/replay_s": time_replay,
+          "time/step_s": time.perf_counter() - t_step,
+      }
+      if done % config.eval_every == 0 or done == config.total_steps:
+        row.update(evaluate(state.params))
+      writer.write(done, row)
+      last = row
+    elif done % config.eval_every == 0:
+      writer.write(done, evaluate(state.params))
+    writer.advance(done)
+
+    if done % config.checkpoint_every == 0 or done == config.total_steps:
+      save(done)
+
+  writer.close()
+  reward_pool.close()
+  checkpointer.close()
+  return last
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return max(-(-n // multiple), 1) * multiple
+
+
+@jax.jit
+def _sampler_mismatch(batch: dict) -> dict:
+  """How far the sampler's log-probs are from the trainer's on fresh tokens (numerics, or a delayed policy)."""
+  mask = batch["completion_mask"] * (~batch["replayed"])[:, None]
+  diff = batch["old_logp"] - batch["behaviour_logp"]
+  count = jnp.maximum(mask.sum(), 1.0)
+  return {"rollout/logp_mismatch_abs": jnp.sum(jnp.abs(diff) * mask) / count,
+          "rollout/logp_mismatch_max": jnp.max(jnp.where(mask > 0, jnp.abs(diff), 0.0))}
