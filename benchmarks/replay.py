@@ -36,29 +36,34 @@ def make_config(name: str, batch: int, group: int, **replay_keys) -> ml_collecti
 
 
 def timed_step(strategy, sampler, fresh, step: int) -> dict:
-  """One protocol step; returns host seconds of each strategy call."""
+  """One protocol step; returns wall-clock ('plan') and process CPU ('plan_cpu') seconds of each strategy call.
+
+  CPU time is the host cost itself; wall time also counts waiting for a core, which on a shared 2-core machine
+  adds whole scheduler slices (~4 ms) at random.
+  """
   t = {}
-  t0 = time.perf_counter()
-  plan = strategy.plan(step, fresh)
-  t["plan"] = time.perf_counter() - t0
+
+  def call(name, fn, *a):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*a)
+    t[name], t[name + "_cpu"] = time.perf_counter() - w0, time.process_time() - c0
+    return out
+
+  plan = call("plan", strategy.plan, step, fresh)
   sampled = sampler.sample(plan)
   ent = sampler.mean_entropies(plan)
-  t0 = time.perf_counter()
-  plan = strategy.select(plan, ent)
-  t["select"] = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  strategy.compose(plan, sampled)
-  t["compose"] = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  strategy.observe(plan, sampled)
-  t["observe"] = time.perf_counter() - t0
+  plan = call("select", strategy.select, plan, ent)
+  call("compose", strategy.compose, plan, sampled)
+  call("observe", strategy.observe, plan, sampled)
   return t
 
 
 def summarize(times: list, keys=("plan", "observe")) -> str:
-  ms = np.array([sum(t[k] for k in keys) for t in times]) * 1e3
-  return (f"{' + '.join(keys)}: median {np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms, "
-          f"max {ms.max():.2f} ms over {len(ms)} steps")
+  out = []
+  for suffix, what in (("", "wall"), ("_cpu", "cpu")):
+    ms = np.array([sum(t[k + suffix] for k in keys) for t in times]) * 1e3
+    out.append(f"{what} median {np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f}, max {ms.max():.2f}")
+  return f"{' + '.join(keys)} ({len(times)} steps): " + "; ".join(out)
 
 
 def bench_exgrpo(args) -> None:

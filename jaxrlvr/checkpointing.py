@@ -22,6 +22,9 @@ RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every
                      "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size")
 
 
+_SEP = "::"  # nesting separator of packed host-state keys (replay state keys themselves contain '/')
+
+
 def pack_host_state(state: dict) -> np.ndarray:
   """Nested dict of numpy arrays and JSON-able leaves -> one uint8 array (an .npz with a JSON entry)."""
   arrays, plain = {}, {}
@@ -29,13 +32,13 @@ def pack_host_state(state: dict) -> np.ndarray:
   def walk(prefix, value):
     if isinstance(value, dict):
       for k, v in value.items():
-        if not isinstance(k, str) or "/" in k:
-          raise ValueError(f"host state key {prefix + str(k)!r} must be a string without '/'")
-        walk(f"{prefix}{k}/", v)
+        if not isinstance(k, str) or _SEP in k:
+          raise ValueError(f"host state key {prefix + str(k)!r} must be a string without {_SEP!r}")
+        walk(f"{prefix}{k}{_SEP}", v)
     elif isinstance(value, np.ndarray):
-      arrays[prefix[:-1]] = value
+      arrays[prefix[:-len(_SEP)]] = value
     else:
-      plain[prefix[:-1]] = value
+      plain[prefix[:-len(_SEP)]] = value
 
   walk("", state)
   buffer = io.BytesIO()
@@ -50,7 +53,7 @@ def unpack_host_state(blob: np.ndarray) -> dict:
   nested: dict = {}
   for path, value in flat.items():
     node = nested
-    *parents, leaf = path.split("/")
+    *parents, leaf = path.split(_SEP)
     for p in parents:
       node = node.setdefault(p, {})
     node[leaf] = value

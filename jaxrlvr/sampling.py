@@ -13,7 +13,8 @@ Conventions the trainer relies on:
 - After the first stop token a row emits `pad_id` with log-prob and entropy 0; `lengths` count up to and including
   the stop token (max_new_tokens when none was produced).
 - Randomness: the key of row r at step t is fold_in(fold_in(rng, t), r), so a row's samples do not depend on how
-  many padding rows the batch or the mesh added.
+  many padding rows the batch or the mesh added after it (r is the global row: with several processes, process p's
+  rows come after the padded rows of processes < p).
 """
 from __future__ import annotations
 
@@ -329,7 +330,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     state = uncached(params, ids, mask, rng)
   outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
   if jax.process_count() > 1:  # this process's rows only
-    outputs = multihost_utils.global_array_to_host_local_array(outputs, mesh, P(BATCH_AXES))
+    outputs = jax.tree.map(_local_rows, outputs)
   tokens, logprobs, entropies, lengths, logits = jax.device_get(outputs)
   return SampleOutput(tokens=tokens[:batch], logprobs=logprobs[:batch], entropies=entropies[:batch],
                       lengths=lengths[:batch], logits=None if logits is None else logits[:batch])
@@ -378,6 +379,14 @@ def _process_max(value: int) -> int:
   if jax.process_count() == 1:
     return int(value)
   return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
+def _local_rows(x: jax.Array) -> np.ndarray:
+  """The rows of a batch-sharded global array that live on this process, in order (the inverse of `_to_global`)."""
+  shards = {}
+  for shard in x.addressable_shards:  # shards repeated over 'tensor' hold the same rows: keep one per row range
+    shards.setdefault(shard.index[0].start or 0, shard)
+  return np.concatenate([np.asarray(shards[start].data) for start in sorted(shards)], axis=0)
 
 
 def _to_global(mesh: jax.sharding.Mesh, local: np.ndarray, spec: P) -> jax.Array:

@@ -39,21 +39,22 @@ def batch_rows(config: ml_collections.ConfigDict, batch_shards: int) -> int:
   return -(-rollouts // multiple) * multiple
 
 
-def build_policy(config, mesh, tokenizer, train_set):
+def build_policy(config, mesh, book: rollout.PromptBook):
   """The policy to start RL from: an HF checkpoint, or a preset initialised at random (+ the embedded warm start)."""
   if config.model.path:
     return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh)
   model_config = models.get_preset(config.model.preset)
   model_config = dataclasses.replace(model_config, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
                                       remat=config.model.remat, attention=config.model.attention)
+  tokenizer = book.tokenizer
   if len(tokenizer) > model_config.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model preset {config.model.preset!r} has "
                      f"vocab_size {model_config.vocab_size}")
   model = parallel.create_model(model_config, mesh, seed=config.seed)
   if config.warm_start.steps:
-    pairs = data_lib.warm_start_pairs(train_set, tokenizer, template=config.tokenizer.template,
-                                      max_prompt_len=config.data.max_prompt_len,
-                                      max_completion_len=config.rollout.max_new_tokens)
+    qids = range(min(len(book.source), config.warm_start.steps * config.warm_start.batch_size))
+    solutions = tokenizer([book.example(q).solution for q in qids], add_special_tokens=False)["input_ids"]
+    pairs = [(book.prompt_ids(q), ids + [tokenizer.eos_token_id]) for q, ids in zip(qids, solutions)]
     model = warm_start.cached_warm_start(
         model, model_config, tokenizer, pairs, task=config.data.source, steps=config.warm_start.steps,
         lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
@@ -86,17 +87,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # ------------------------------------------------------------------------------------------------ Data
   tokenizer = data_lib.load_tokenizer(config.tokenizer.path)
-  source_kwargs = dict(question_field=config.data.question_field, answer_field=config.data.answer_field,
-                       solution_field=config.data.solution_field, seed=config.seed)
-  train_set = data_lib.make_source(config.data.source, split="train", **source_kwargs)
-  eval_set = data_lib.make_source(config.data.eval_source or config.data.source, split="test", **source_kwargs)
-  eval_qids = list(range(len(eval_set)))[:config.data.eval_size or None]
+  train_set, eval_set = data_lib.sources_from_config(config)
+  eval_examples = [eval_set[q] for q in range(min(len(eval_set), config.data.eval_size or len(eval_set)))]
   questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=jax.process_index(),
                                         num_hosts=jax.process_count())
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
-  eval_book = rollout.PromptBook(eval_set, tokenizer, template=config.tokenizer.template,
-                                 max_prompt_len=config.data.max_prompt_len)
   sampler = rollout.SamplerSettings(
       max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
       top_p=config.rollout.top_p, top_k=config.rollout.top_k, eos_ids=tuple(data_lib.stop_token_ids(tokenizer)),
@@ -106,7 +102,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   rows = batch_rows(config, batch_shards)
 
   # ------------------------------------------------------------------------------------------------ Model
-  model, model_config = build_policy(config, mesh, tokenizer, train_set)
+  model, model_config = build_policy(config, mesh, book)
   graphdef, params = nnx.split(model)
   logging.info("policy: %s parameters\n%s", f"{parallel.param_count(model):,}", parallel.describe_sharding(model))
   optimizer = step_lib.make_optimizer(config)
@@ -149,14 +145,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   def evaluate(params) -> dict:
     eval_model = policy(params)
 
-    def generate_fn(qids, temperature, n):
-      out = sampling.generate(eval_model, [eval_book.prompt_ids(q) for q in qids for _ in range(n)],
-                              max_new_tokens=completion_len, rng=jax.random.key(config.seed + 1),
-                              temperature=temperature, eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh)
+    def generate_fn(prompts, temperature, n):
+      ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+      out = sampling.generate(eval_model, [p for p in ids for _ in range(n)], max_new_tokens=completion_len,
+                              rng=jax.random.key(config.seed + 1), temperature=temperature,
+                              eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh)
       return rollout.decode(tokenizer, out.tokens, out.lengths), out.lengths
 
-    return evaluate_lib.evaluate(generate_fn, eval_set, eval_qids, reward_pool=reward_pool, k=config.eval.k,
-                                 temperature=config.eval.temperature)
+    return evaluate_lib.evaluate(generate_fn, eval_examples, k=config.eval.k, temperature=config.eval.temperature,
+                                 template=config.tokenizer.template, tokenizer=tokenizer,
+                                 reward_fn=lambda c, a: reward_pool.score(c, a)[0])
 
   def save(step: int) -> None:
     hist = list(history or ())

@@ -207,6 +207,22 @@ class MathRewardPool:
     return cls(num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                require_think=config.reward.require_think)
 
+  def wait_ready(self) -> None:
+    """Blocks until every worker has imported math-verify (a trainer may call this before its first step)."""
+    while not all(w.ready for w in self._workers):
+      waiting = {w.fd_out: w for w in self._workers if not w.ready}
+      deadline = min(w.started for w in waiting.values()) + self.start_timeout_s
+      readable, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+      if not readable:
+        self._fail_start(next(iter(waiting.values())), f"did not become ready within {self.start_timeout_s} s")
+      for fd in readable:
+        worker = waiting[fd]
+        data = os.read(fd, 1 << 16)
+        if not data:
+          self._fail_start(worker, f"exited with code {worker.proc.poll()} before it was ready")
+        worker.inbuf += data
+        self._read_results(worker, np.zeros(0, np.float32))
+
   def worker_pids(self) -> list[int]:
     return [w.proc.pid for w in self._workers]
 
@@ -266,7 +282,9 @@ class MathRewardPool:
 
   # The event loop: one thread, non-blocking pipes, select() with the nearest deadline as its timeout.
   def _run(self, jobs: dict, rewards: np.ndarray, info: dict, timeout_s: float) -> None:
-    alarm_s = max(1, int(math.ceil(timeout_s)))  # math-verify's own alarms take whole seconds.
+    # math-verify's own alarms (whole seconds) are set past our deadline, so an overrun is always ours: killed,
+    # replaced and counted, the same way whichever stage hangs.
+    alarm_s = int(math.ceil(timeout_s)) + 1
     # Items sharing a gold answer (a question's K samples) go to the same worker: its caches then parse that
     # gold once and each distinct answer string once, which is most of math-verify's cost. A worker whose
     # queue runs dry takes items from the back of the longest other queue.
