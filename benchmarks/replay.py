@@ -94,10 +94,24 @@ def bench_exgrpo(args) -> None:
     print(f"  all included (tracemalloc): {traced / 1e9:.3f} GB = {traced / tokens:.2f} bytes/token = "
           f"{traced / rows / 1e3:.2f} KB/trajectory (released code: 1.77 GB / 202,011 = 8.76 KB/trajectory)")
   times = [timed_step(s, sampler, fresh, step + i) for i in range(args.measure_steps)]
-  print(f"  B={args.batch} x K={args.group}, {int(s.metrics()['replay/replay_questions'])} replay questions a step, "
-        f"{s.metrics()['replay/scored_answers']:.0f} answers to score on the last step")
-  print("  " + summarize(times))
-  print("  " + summarize(times, ("plan", "select", "compose", "observe")))
+  step += args.measure_steps
+  m = s.metrics()
+  print(f"  B={args.batch} x K={args.group}: {int(m['replay/replay_questions'])} replay questions a step, "
+        f"{m['replay/scored_answers']:.0f} stored answers to score, {m['replay/stored']:.0f} new answers stored "
+        f"({m['replay/stored'] * tokens / rows * 6 / 1e6:.1f} MB of fresh memory a step)")
+  print("  growing buffer (every step faults in new pages), " + summarize(times))
+  print("  growing buffer, " + summarize(times, ("plan", "select", "compose", "observe")))
+  # Steady state: cap the buffer at its size (replay.max_tokens); the oldest answers are evicted each step and
+  # their pages recycled, so no new memory is touched once the first capped pages have cycled.
+  s.max_tokens = s.store.live_tokens
+  for i in range(args.measure_steps):
+    simulate.run_step(s, sampler, fresh, step + i)
+  step += args.measure_steps
+  times = [timed_step(s, sampler, fresh, step + i) for i in range(args.measure_steps)]
+  m = s.metrics()
+  print(f"  capped at {s.max_tokens / 1e6:.1f}M tokens ({m['replay/evicted']:.0f} answers evicted on the last step, "
+        f"{s.store.nbytes() / s.store.live_tokens:.2f} bytes/token of store arrays), " + summarize(times))
+  print("  capped, " + summarize(times, ("plan", "select", "compose", "observe")))
   t0 = time.perf_counter()
   state = s.state_dict()
   print(f"  state_dict: {sum(v.nbytes for v in state.values()) / 1e9:.3f} GB of arrays in "

@@ -50,7 +50,8 @@ def _cot(n_chars: int, rng: np.random.Generator) -> str:
     if r < 0.6:
       part = " ".join(rng.choice(_WORDS, size=12))
     elif r < 0.85:
-      part = f"$x_{rng.integers(1, 9)} = \\frac{{{rng.integers(1, 99)}}}{{{rng.integers(1, 99)}}} + {rng.integers(1, 9)}y$"
+      numerator, denominator = rng.integers(1, 99, size=2)
+      part = f"$x_{rng.integers(1, 9)} = \\frac{{{numerator}}}{{{denominator}}} + {rng.integers(1, 9)}y$"
     else:
       part = f"\\[ {rng.integers(1, 99)}^2 - {rng.integers(1, 99)} = {rng.integers(1, 9999)} \\]"
     parts.append(part)

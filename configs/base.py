@@ -44,13 +44,13 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.data.answer_field = "answer"
   c.data.solution_field = "solution"
   c.data.eval_size = 200
-  c.data.max_prompt_len = 32
+  c.data.max_prompt_len = 16  # the embedded task's prompts are at most 15 tokens
 
   # Rollouts: B questions x K samples each.
   c.rollout = ml_collections.ConfigDict()
   c.rollout.batch_size = 16  # B, questions per RL step
   c.rollout.group_size = 8  # K, samples per question
-  c.rollout.max_new_tokens = 24
+  c.rollout.max_new_tokens = 16  # its worked solutions are at most 13 tokens with the stop token
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0

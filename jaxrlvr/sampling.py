@@ -126,8 +126,6 @@ class _Spec:
   temperature: float
   top_k: int
   top_p: float
-  eos_ids: tuple[int, ...]
-  pad_id: int
   return_logits: bool
   mesh: Any
 
@@ -137,6 +135,8 @@ class _LoopState:
   """The decode carry; donated to the decode call so the cache and outputs are updated in place."""
   step: jax.Array  # [] int32: index of the token sampled next
   rng: jax.Array  # base key of the whole call
+  stop_ids: jax.Array  # [E] int32 stop tokens, -1 for unused slots (traced: a new stop set does not recompile)
+  pad_id: jax.Array  # [] int32
   last_token: jax.Array  # [B] int32: the token fed at the next step
   position: jax.Array  # [B] int32: RoPE position of last_token
   done: jax.Array  # [B] bool: the row has produced a stop token
@@ -157,12 +157,10 @@ def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
   sample = functools.partial(sample_logits, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
   tok, logp, ent = jax.vmap(sample)(logits, row_keys)  # [B] each
   active = ~state.done
-  tok = jnp.where(active, tok, spec.pad_id)
+  tok = jnp.where(active, tok, state.pad_id)
   logp = jnp.where(active, logp, 0.0)
   ent = jnp.where(active, ent, 0.0)
-  is_stop = jnp.zeros_like(active)
-  for eos in spec.eos_ids:
-    is_stop = is_stop | (tok == eos)
+  is_stop = jnp.any(tok[:, None] == state.stop_ids[None, :], axis=1)  # [B]
   out_logits = state.logits
   if spec.return_logits:
     out_logits = jax.lax.dynamic_update_slice(out_logits, logits[:, None, :], (0, step, 0))
@@ -189,18 +187,21 @@ def _constrain(spec: _Spec, x: jax.Array, tensor_dim: int | None = None) -> jax.
   return jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, P(*axes)))
 
 
-def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, rng: jax.Array, cache: Any,
+def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, controls: tuple, cache: Any,
                    vocab_size: int) -> _LoopState:
   batch, prompt_len = ids.shape
   n = spec.max_new_tokens
   key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)  # [B, S]
+  rng, stop_ids, pad_id = controls
   return _LoopState(
       step=jnp.zeros((), jnp.int32),
       rng=rng,
+      stop_ids=stop_ids,
+      pad_id=pad_id,
       last_token=ids[:, -1],
       position=jnp.sum(mask, axis=1).astype(jnp.int32),  # the first generated token sits at position prompt_len
       done=jnp.zeros((batch,), bool),
-      tokens=_constrain(spec, jnp.full((batch, n), spec.pad_id, jnp.int32)),
+      tokens=_constrain(spec, jnp.full((batch, n), pad_id, jnp.int32)),
       logprobs=_constrain(spec, jnp.zeros((batch, n), jnp.float32)),
       entropies=_constrain(spec, jnp.zeros((batch, n), jnp.float32)),
       lengths=jnp.zeros((batch,), jnp.int32),
@@ -210,7 +211,7 @@ def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, rng: jax.Array,
   )
 
 
-def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, rng: jax.Array) -> _LoopState:
+def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, controls: tuple) -> _LoopState:
   """Writes the left-padded prompts [B, P] into a fresh cache of P + N slots and samples the first token."""
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(spec.graphdef, params)
@@ -218,7 +219,7 @@ def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, rng: jax
   cache = model.init_cache(batch, prompt_len + spec.max_new_tokens)
   cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=2), cache)  # [B, S, N_kv, H]
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
-  state = _initial_state(spec, ids, mask, rng, None, _vocab_size(model))
+  state = _initial_state(spec, ids, mask, controls, None, _vocab_size(model))
   hidden, cache = model.hidden(ids, positions=positions, attention_mask=state.key_mask, cache=cache,
                                cache_index=jnp.zeros((), jnp.int32))
   logits = model.logits(hidden[:, -1])  # [B, V]; the last slot is a real token for every row (left padding)
@@ -243,7 +244,7 @@ def _decode(spec: _Spec, params: Any, state: _LoopState) -> _LoopState:
   return jax.lax.while_loop(cond, body, state)
 
 
-def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, rng: jax.Array) -> _LoopState:
+def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, controls: tuple) -> _LoopState:
   """The same sampler without a KV cache: every step recomputes the whole fixed-size buffer [B, P + N].
 
   The reference for the cache (tests) and the baseline of the benchmark. Slots after the current step hold pad
@@ -252,8 +253,8 @@ def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array
   TRACE_COUNTS["uncached"] += 1
   model = nnx.merge(spec.graphdef, params)
   batch, prompt_len = ids.shape
-  buffer = jnp.concatenate([ids, jnp.full((batch, spec.max_new_tokens), spec.pad_id, ids.dtype)], axis=1)  # [B, S]
-  state = _initial_state(spec, ids, mask, rng, _constrain(spec, buffer), _vocab_size(model))
+  buffer = jnp.concatenate([ids, jnp.full((batch, spec.max_new_tokens), controls[2], ids.dtype)], axis=1)  # [B, S]
+  state = _initial_state(spec, ids, mask, controls, _constrain(spec, buffer), _vocab_size(model))
   positions = jnp.maximum(jnp.cumsum(state.key_mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, S]
 
   def cond(s: _LoopState) -> jax.Array:
@@ -317,17 +318,19 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     rng = jax.random.wrap_key_data(rng)
   graphdef, params = nnx.split(model)
   spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-               top_k=int(top_k), top_p=float(top_p), eos_ids=tuple(int(e) for e in eos_ids), pad_id=int(pad_id),
-               return_logits=bool(return_logits), mesh=mesh)
+               top_k=int(top_k), top_p=float(top_p), return_logits=bool(return_logits), mesh=mesh)
   prefill, decode, uncached = _compiled(spec)
+  stop_ids, pad = _stop_array(eos_ids), np.asarray(pad_id, np.int32)
   if mesh is not None:
     ids, mask = _to_global(mesh, ids, P(BATCH_AXES)), _to_global(mesh, mask, P(BATCH_AXES))
     rng = jax.random.wrap_key_data(_to_global(mesh, np.asarray(jax.random.key_data(rng)), P()),
                                    impl=jax.random.key_impl(rng))
+    stop_ids, pad = _to_global(mesh, stop_ids, P()), _to_global(mesh, pad, P())
+  controls = (rng, stop_ids, pad)
   if use_cache:
-    state = decode(params, prefill(params, ids, mask, rng))
+    state = decode(params, prefill(params, ids, mask, controls))
   else:
-    state = uncached(params, ids, mask, rng)
+    state = uncached(params, ids, mask, controls)
   outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
   if jax.process_count() > 1:  # this process's rows only
     outputs = jax.tree.map(_local_rows, outputs)
@@ -372,6 +375,15 @@ def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, m
     raise ValueError(f"sampling.py: prompt token ids must lie in [0, vocab_size={vocab}); got min {ids.min()}, "
                      f"max {ids.max()} (pad_id={pad_id})")
   return ids, mask, batch
+
+
+def _stop_array(eos_ids: Sequence[int]) -> np.ndarray:
+  """Stop ids as an int32 array padded with -1 to a multiple of 4 slots, so most stop sets share one compile."""
+  eos = [int(e) for e in eos_ids]
+  if any(e < 0 for e in eos):
+    raise ValueError(f"sampling.py: eos_ids={eos} must be non-negative token ids")
+  slots = max(4, -(-len(eos) // 4) * 4)
+  return np.asarray(eos + [-1] * (slots - len(eos)), np.int32)
 
 
 def _process_max(value: int) -> int:

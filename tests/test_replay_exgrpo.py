@@ -5,7 +5,7 @@ import pytest
 from scipy import stats
 
 from jaxrlvr import replay
-from jaxrlvr.replay import Group, Rollout, exgrpo, simulate
+from jaxrlvr.replay import Group, Rollout, simulate
 
 K = 4
 

@@ -120,3 +120,28 @@ def test_metrics_are_floats_named_under_replay(name):
   assert {"replay/replayed_share", "replay/mean_age", "replay/solve_rate"} <= set(m)
   if name != "none":
     assert {"replay/buffer_trajectories", "replay/buffer_questions", "replay/evicted_total"} <= set(m)
+
+
+def test_state_dict_round_trips_through_orbax_also_when_empty(tmp_path):
+  import orbax.checkpoint as ocp  # the trainer's checkpointer; imported here so the module stays jax-free
+  checkpointer = ocp.StandardCheckpointer()
+  for name in sorted(STRATEGY_OVERRIDES):
+    config = make_test_config(name)
+    for warm_steps in (0, 8):  # an empty buffer (zero-size arrays) and a filled one
+      original = replay.make(name, config)
+      fresh, sampler = simulate.FreshIterator(60, seed=1), simulate.SyntheticSampler(60, seed=2)
+      for step in range(warm_steps):
+        simulate.run_step(original, sampler, fresh, step)
+      state = original.state_dict()
+      assert all(isinstance(v, np.ndarray) and v.size > 0 for v in state.values())
+      path = tmp_path / f"{name}_{warm_steps}"
+      checkpointer.save(path, state)
+      checkpointer.wait_until_finished()
+      restored = replay.make(name, config)
+      restored.load_state_dict(checkpointer.restore(path))
+      fresh2 = simulate.FreshIterator(60, seed=1)
+      fresh2.load_state_dict(fresh.state_dict())
+      for step in range(warm_steps, warm_steps + 5):
+        a = simulate.describe(*simulate.run_step(original, sampler, fresh, step))
+        b = simulate.describe(*simulate.run_step(restored, sampler, fresh2, step))
+        assert a == b, (name, warm_steps, step)

@@ -23,8 +23,19 @@ def test_rows_keep_their_tokens_through_deletes_compaction_and_page_recycling():
   for row, (tokens, lp) in kept.items():
     np.testing.assert_array_equal(store.tokens(row), tokens)
     np.testing.assert_array_equal(store.logprobs(row), lp)
-  # Dead tokens stay under 1/8 of each page (plus the page that is being filled), so capacity tracks live data.
+  # Appends compact the deadest page before allocating a new one, so capacity tracks the live data.
   assert store.capacity_tokens() <= 8 / 7 * store.live_tokens + 2 * 64
+
+
+def test_append_reuses_dead_space_before_growing():
+  store = RolloutStore(page_tokens=100)
+  rows = [store.add(np.full(10, i), np.zeros(10), qid=i, step=0) for i in range(10)]  # one full page
+  for row in rows[::2]:
+    store.delete(row)  # 50 dead tokens in the page
+  new = store.add(np.full(30, 99), np.zeros(30), qid=99, step=1)
+  assert store.capacity_tokens() == 100  # compacted in place, no second page
+  assert [int(store.tokens(r)[0]) for r in rows[1::2]] == [1, 3, 5, 7, 9]
+  np.testing.assert_array_equal(store.tokens(new), np.full(30, 99))
 
 
 def test_row_ids_are_reused_last_freed_first_and_oldest_follows_insertion_order():

@@ -30,10 +30,10 @@ ANSWER_TABLE = [
     ("\\boxed{(1,2]}", "(1,2]", 1),  # intervals: the brackets matter
     ("\\boxed{[1,2)}", "(1,2]", 0),
     ("\\boxed{(-\\infty, 3) \\cup (5, \\infty)}", "(-\\infty,3)\\cup(5,\\infty)", 1),
-    ("\\boxed{86}", "85", 0),  # wrong answer
+    ("\\boxed{86}", "85", 0),  # wrong answer (fast path)
     ("I do not know.", "85", 0),  # no answer
     ("\\boxed{}", "85", 0),
-    ("Adding, $\\boxed{85}$.", "85", 1),  # fast path
+    ("Adding: $\\boxed{85}$.", "85", 1),  # fast path
     ("so 85-21=\\boxed{64}", "64", 1),  # fast path, the embedded task's worked step
     ("so 85-21=\\boxed{63}", "64", 0),  # fast path
 ]
@@ -43,7 +43,9 @@ HOSTILE = [
     "\\boxed{" + "{" * 20_000,  # 20,000 open brackets
     "$" + "\\left(" * 20_000 + "$",
     "1+" * 500_000,  # a 1 MB string that parses as one huge sum
-    "".join(random.Random(0).choice("abc $\\{}()^0123456789") for _ in range(1_000_000)),  # 1 MB of noise
+    # 1 MB of noise over a LaTeX-ish alphabet (random bytes mapped onto it: fast to build).
+    random.Random(0).randbytes(1_000_000).translate(bytes(b"abc $\\{}()^0123456789"[i % 21] for i in range(256)))
+    .decode("ascii"),
 ]
 
 
@@ -58,7 +60,7 @@ def test_answer_table(pool):
   rewards, info = pool.score(list(completions), list(golds))
   assert rewards.dtype == np.float32
   np.testing.assert_array_equal(rewards, np.array(expected, np.float32))
-  assert info["fast_path"] == 3 and info["verified"] == len(ANSWER_TABLE) - 3
+  assert info["fast_path"] == 4 and info["verified"] == len(ANSWER_TABLE) - 4  # the four marked "fast path"
   assert info["timeouts"] == info["crashes"] == 0
 
 
@@ -99,8 +101,9 @@ def test_fast_path_near_misses(completion, gold, expected):
 def test_fast_path_equals_math_verify_on_fuzzed_completions():
   """Random compositions of the pieces the proof worries about; every fast verdict must be math-verify's."""
   rng = random.Random(0)
-  pieces = ["we get", "final answer", " is ", "Final Answer", "I hope", "$7$", "$", "$$", "\\[", "\\]", "\\(",
-            "\\)", "\n", ",", " and ", " or ", "}", "{", ".", " ", "5", "\\$", "[", "]", "%", "\\frac{1}{2}", "="]
+  pieces = ["we get", "final answer", " is ", "Final Answer", "I hope", "$7$", "\\(7\\)", "\\[7\\]", "$", "$$", "\\[",
+            "\\]", "\\(", "\\)", "\n", ",", " and ", " or ", "}", "{", ".", " ", "5", "\\$", "[", "]", "%", "=",
+            "\\frac{1}{2}", "the final answer is \\(7\\) or ", "final answer is $7$, "]
   numbers = ["42", "-42", "0", "7", "42", "007", "-0", "+42", "12345678901234567890"]
   checked = 0
   for _ in range(3000):

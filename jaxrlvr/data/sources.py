@@ -223,6 +223,20 @@ class TfdsSource:
                           default_source=self._default_source, **self._fields)
 
 
+def _split_tfds_spec(rest: str) -> tuple[str, str]:
+  """'NAME[/CONFIG][:VERSION][:SPLIT]' -> (name, split): the split follows the last ':' outside brackets, so
+  slices such as 'train[:10%]' stay whole."""
+  depth = 0
+  for i in range(len(rest) - 1, -1, -1):
+    depth += {"]": 1, "[": -1}.get(rest[i], 0)
+    if rest[i] == ":" and depth == 0:
+      name, split = rest[:i], rest[i + 1:]
+      if split[:1].isdigit():  # 'mnist:3.0.1' names a version, not a split.
+        return rest, ""
+      return name, split
+  return rest, ""
+
+
 def make_source(spec: str, *, split: str = "train", question_field: str = "question", answer_field: str = "answer",
                 solution_field: str = "solution", seed: int = 0, size: int | None = None,
                 data_dir: str | None = None) -> Source:
@@ -251,7 +265,7 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
   if kind == "hf_disk":
     return load_hf_disk(rest, split=split, **fields)
   if kind == "tfds":
-    name, _, tfds_split = rest.rpartition(":") if ":" in rest else (rest, "", split)
+    name, tfds_split = _split_tfds_spec(rest)
     return TfdsSource(name, tfds_split or split, data_dir=data_dir, **fields)
   raise DataError(f"data source {spec!r}: unknown kind {kind!r}; known: synthetic, jsonl, parquet, tfds, hf_disk")
 

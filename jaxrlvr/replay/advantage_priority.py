@@ -175,25 +175,22 @@ class AdvantagePriority(base.Strategy):
 
   def metrics(self) -> dict:
     m = dict(self._step_metrics)
+    m.update(self._store_metrics(self.store))
     rows = self.store.rows()
     m.update({
-        "replay/buffer_trajectories": float(self.store.num_rows),
         "replay/buffer_questions": float(len(np.unique(self.store.get("qid", rows)))) if len(rows) else 0.0,
-        "replay/buffer_tokens": float(self.store.live_tokens),
-        "replay/buffer_bytes": float(self.store.live_nbytes()),
-        "replay/buffer_mean_step": float(self.store.get("step", rows).mean()) if len(rows) else 0.0,
         "replay/evicted_total": float(self._totals["evicted_age"] + self._totals["evicted_capacity"]),
         "replay/dropped_groups_total": float(self._totals["dropped_groups"]),
     })
     return m
 
-  def state_dict(self) -> dict:
-    d = super().state_dict()
+  def _state_dict(self) -> dict:
+    d = super()._state_dict()
     d.update(self.store.state_dict("ap/store/"))
     d["ap/totals"] = np.asarray([self._totals[k] for k in sorted(self._totals)], np.int64)
     return d
 
-  def load_state_dict(self, d: dict) -> None:
-    super().load_state_dict(d)
+  def _load_state_dict(self, d: dict) -> None:
+    super()._load_state_dict(d)
     self.store.load_state_dict(d, "ap/store/")
     self._totals = dict(zip(sorted(self._totals), (int(x) for x in np.asarray(d["ap/totals"]))))

@@ -201,21 +201,17 @@ class BAPO(base.Strategy):
 
   def metrics(self) -> dict:
     m = dict(self._step_metrics)
-    rows = self.store.rows()
+    m.update(self._store_metrics(self.store))
     m.update({
         "replay/hard_fifo": float(len(self._fifo)),
         "replay/buffer_groups": float(len(self._groups)),
         "replay/buffer_questions": float(len({v[0] for v in self._groups.values()})),
-        "replay/buffer_trajectories": float(self.store.num_rows),
-        "replay/buffer_tokens": float(self.store.live_tokens),
-        "replay/buffer_bytes": float(self.store.live_nbytes()),
-        "replay/buffer_mean_step": float(self.store.get("step", rows).mean()) if len(rows) else 0.0,
         "replay/evicted_total": float(self._totals["evicted_groups"]),
     })
     return m
 
-  def state_dict(self) -> dict:
-    d = super().state_dict()
+  def _state_dict(self) -> dict:
+    d = super()._state_dict()
     d.update(self.store.state_dict("bapo/store/"))
     gids = list(self._groups)
     d.update({
@@ -229,8 +225,8 @@ class BAPO(base.Strategy):
     })
     return d
 
-  def load_state_dict(self, d: dict) -> None:
-    super().load_state_dict(d)
+  def _load_state_dict(self, d: dict) -> None:
+    super()._load_state_dict(d)
     self.store.load_state_dict(d, "bapo/store/")
     self._fifo = [int(q) for q in np.asarray(d["bapo/fifo"], np.int64)]
     meta = np.asarray(d["bapo/group_meta"], np.int64).reshape(-1, 4)

@@ -70,7 +70,9 @@ class ExGRPO(base.Strategy):
       raise ValueError(f"replay.rho must be in [0, 1], got {rho}")
     self.rho = float(rho)
     self.K = self.group_size
-    self._log_w = _log_bucket_weights(self.K, float(bucket_sigma), bucket_scale)
+    if self.K < 2:
+      raise ValueError(f"replay: ExGRPO needs rollout.group_size >= 2 (buckets 1..K-1), got {self.K}")
+    self._log_w_list = [float(x) for x in _log_bucket_weights(self.K, float(bucket_sigma), bucket_scale)]
     self.bucket_sigma, self.bucket_scale = float(bucket_sigma), bucket_scale
     self.start_solve_rate = float(start_solve_rate)
     self.store = RolloutStore(page_tokens=page_tokens)
@@ -109,24 +111,33 @@ class ExGRPO(base.Strategy):
       if len(rows) == 1:
         plan.stored[i] = self.store.rollout(rows[0])
       else:
-        plan.score_requests.append(ScoreRequest(i, q, [self.store.tokens(r) for r in rows]))
+        plan.score_requests.append(ScoreRequest(i, q, self.store.tokens_many(rows)))
     plan.selected = not plan.score_requests
     return plan
 
   def _draw_questions(self, n: int) -> list:
-    """n questions: a bucket by weight over the non-empty buckets, then a question uniformly, no replacement."""
-    remaining = np.array([len(m) for m in self._members], np.int64)  # [K+1]
+    """n questions: a bucket by weight over the non-empty buckets, then a question uniformly, no replacement.
+
+    Plain Python over the K+1 buckets (numpy's per-call cost would dominate for 9 numbers); weights are taken
+    relative to the heaviest non-empty bucket, so a narrow sigma never leaves every weight at 0.
+    """
+    remaining = [len(m) for m in self._members]
     swaps = [dict() for _ in self._members]  # sparse Fisher-Yates per bucket: the lists stay untouched
+    log_w = self._log_w_list
     out = []
     for _ in range(n):
-      nonempty = remaining > 0
-      logw = np.where(nonempty, self._log_w, -np.inf)
-      w = np.exp(logw - logw[nonempty].max())  # relative to the heaviest non-empty bucket: never all zero
-      k = min(int(np.searchsorted(np.cumsum(w), self.rng.random() * w.sum(), side="right")), self.K)
-      while remaining[k] == 0:  # only reachable through float round-off at the top of the cumsum
-        k -= 1
+      nonempty = [k for k in range(1, self.K) if remaining[k]]
+      top = max(log_w[k] for k in nonempty)
+      weights = [math.exp(log_w[k] - top) for k in nonempty]
+      u = self.rng.random() * sum(weights)
+      k = nonempty[-1]  # float round-off at the top of the running sum lands in the last bucket
+      for kk, wk in zip(nonempty, weights):
+        u -= wk
+        if u < 0:
+          k = kk
+          break
       j = int(self.rng.integers(remaining[k]))
-      last = int(remaining[k]) - 1
+      last = remaining[k] - 1
       pick = swaps[k].get(j, j)
       swaps[k][j] = swaps[k].get(last, last)
       remaining[k] -= 1
@@ -216,8 +227,11 @@ class ExGRPO(base.Strategy):
         retired_now += 1
       elif k > 0:
         new = pending.setdefault(q, [])
+        rows = self._answers.get(q)
+        stored_lengths = set(self.store.get("length", np.asarray(rows)).tolist()) if rows else set()
         for r in g.rollouts:
-          if r.reward >= base.CORRECT_THRESHOLD and not r.replayed and not self._is_duplicate(q, r.tokens, new):
+          if r.reward >= base.CORRECT_THRESHOLD and not r.replayed and not self._is_duplicate(
+              q, r.tokens, new, stored_lengths):
             new.append(r)
         latest_k[q] = k
     answers = [(q, r) for q, rs in pending.items() for r in rs]
@@ -241,15 +255,14 @@ class ExGRPO(base.Strategy):
         "replay/evicted_tokens": float(self._totals["evicted_tokens"] - evicted_before[1]),
     })
 
-  def _is_duplicate(self, q: int, tokens: np.ndarray, pending: list) -> bool:
+  def _is_duplicate(self, q: int, tokens: np.ndarray, pending: list, stored_lengths: set) -> bool:
     """Same token ids as a stored or pending answer of q (lengths first: most candidates differ there)."""
     n = len(tokens)
     if any(len(r.tokens) == n and np.array_equal(r.tokens, tokens) for r in pending):
       return True
-    rows = self._answers.get(q)
-    if not rows:
+    if n not in stored_lengths:
       return False
-    rows = np.asarray(rows)
+    rows = np.asarray(self._answers[q])
     same_length = rows[self.store.get("length", rows) == n]
     return any(np.array_equal(self.store.tokens(int(row)), tokens) for row in same_length)
 
@@ -313,14 +326,10 @@ class ExGRPO(base.Strategy):
 
   def metrics(self) -> dict:
     m = dict(self._step_metrics)
-    rows = self.store.rows()
+    m.update(self._store_metrics(self.store))
     m.update({
         "replay/phase": float(self.active),
         "replay/buffer_questions": float(len(self._answers)),
-        "replay/buffer_trajectories": float(self.store.num_rows),
-        "replay/buffer_tokens": float(self.store.live_tokens),
-        "replay/buffer_bytes": float(self.store.live_nbytes()),
-        "replay/buffer_mean_step": float(self.store.get("step", rows).mean()) if len(rows) else 0.0,
         "replay/retired": float(len(self._retired)),
         "replay/evicted_total": float(self._totals["evicted_rows"]),
         "replay/skipped_retired_total": float(self._totals["skipped_retired"]),
@@ -329,8 +338,8 @@ class ExGRPO(base.Strategy):
       m[f"replay/bucket_{k}"] = float(len(self._members[k]))
     return m
 
-  def state_dict(self) -> dict:
-    d = super().state_dict()
+  def _state_dict(self) -> dict:
+    d = super()._state_dict()
     d.update(self.store.state_dict("exgrpo/store/"))
     qids = list(self._answers)
     d.update({
@@ -345,11 +354,11 @@ class ExGRPO(base.Strategy):
     })
     return d
 
-  def load_state_dict(self, d: dict) -> None:
+  def _load_state_dict(self, d: dict) -> None:
     sizes = np.asarray(d["exgrpo/member_sizes"], np.int64)
     if len(sizes) != self.K + 1:
       raise ValueError(f"replay/exgrpo: the saved state has {len(sizes) - 1} as group size, this run has {self.K}")
-    super().load_state_dict(d)
+    super()._load_state_dict(d)
     self.store.load_state_dict(d, "exgrpo/store/")
     qids, counts = np.asarray(d["exgrpo/q_ids"], np.int64), np.asarray(d["exgrpo/q_counts"], np.int64)
     rows = [int(r) for r in np.asarray(d["exgrpo/q_rows"], np.int64)]

@@ -13,9 +13,11 @@ a Python object per token, and nothing per row except the owner's own index (a l
   Values below -65504 (float16's range) are stored as -65504; NaN is refused.
 - Pages: appends fill the current page; a row never spans pages. The first page holds 16k tokens and each new
   page doubles the capacity, up to `page_tokens` (4M by default, 24 MB) a page.
-  Deleting a row marks its tokens dead; a page whose dead tokens exceed 1/8 of it is compacted in place (its live
-  rows move left and get new offsets), and an emptied page is recycled. Allocated bytes therefore stay within
-  ~8/7 of the live bytes plus one partly filled page, i.e. ~6-7 bytes per stored token at scale, all included.
+  Deleting a row marks its tokens dead; an emptied page is recycled. When an append finds no room, the page with
+  the most dead tokens is compacted in place (its live rows move left and get new offsets) if they are >= 1/8 of
+  it, before any new page is allocated; the page holding the oldest row is left alone, since oldest-first
+  eviction will empty it. Allocated bytes therefore stay within ~8/7 of the live bytes plus a partly filled and a
+  draining page, i.e. ~6-7 bytes per stored token at scale, all included.
 - Row ids are stable while a row lives and reused after deletion (last freed, first reused), so owners keep row
   ids in their own indexes, and a restored store hands out exactly the ids the original would have.
 - Insertion order is kept in a queue so the oldest live row is found in O(1) amortised time (eviction rules).
@@ -94,7 +96,9 @@ class RolloutStore:
     if np.isnan(lp).any():
       bad = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(np.isnan(lp))[0]), side="right"))
       raise ValueError(f"replay/storage: qid {qid[bad]} (step {step[bad]}) has NaN behaviour log-probs")
-    lp16 = np.maximum(lp, LOGPROB_MIN).astype(np.float16)
+    with np.errstate(over="ignore"):
+      lp16 = lp.astype(np.float16)
+    lp16[lp16 == -np.inf] = LOGPROB_MIN  # below float16's range
     rows = np.fromiter((self._new_row() for _ in range(n)), np.int64, n)
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -139,8 +143,6 @@ class RolloutStore:
     self.live_tokens -= length
     if self._dead[page] == self._fill[page]:
       self._recycle(page)
-    elif self._dead[page] * 8 > len(self._tok[page]):
-      self._compact(page)
 
   def alive(self, row: int) -> bool:
     return 0 <= row < self._n_slots and bool(self._meta["alive"][row])
@@ -156,6 +158,15 @@ class RolloutStore:
   def tokens(self, row: int) -> np.ndarray:
     p, o, n = self._where(row)
     return self._tok[p][o:o + n].copy()
+
+  def tokens_many(self, rows) -> list:
+    """Copies of the token ids of `rows` (one fancy-index per field instead of one lookup per row)."""
+    rows = np.asarray(rows, np.int64)
+    m = self._meta
+    if not m["alive"][rows].all():
+      raise KeyError(f"replay/storage: rows {rows[~m['alive'][rows]].tolist()} are not stored")
+    return [self._tok[p][o:o + n].copy() for p, o, n in zip(m["page"][rows].tolist(), m["offset"][rows].tolist(),
+                                                            m["length"][rows].tolist())]
 
   def logprobs(self, row: int) -> np.ndarray:
     p, o, n = self._where(row)
@@ -220,6 +231,19 @@ class RolloutStore:
     if best >= 0 and free[best] >= length:
       self._cur = best
       return best
+    # Before growing, reclaim dead space: compact the page with the most dead tokens if that is >= 1/8 of it.
+    # Compacting only when room is needed (not on every delete), and not the page of the oldest row (the one
+    # oldest-first eviction is draining) unless it is the current page, lets drained pages empty out and be
+    # recycled without being moved.
+    oldest = self.oldest()
+    draining = int(self._meta["page"][oldest]) if oldest >= 0 else -1
+    draining = -1 if draining == self._cur else draining  # a lone page must still be compactable
+    dead = [d if p != draining else -1 for p, d in enumerate(self._dead)]
+    deadest = int(np.argmax(dead)) if dead else -1
+    if deadest >= 0 and dead[deadest] * 8 >= len(self._tok[deadest]) and dead[deadest] >= length:
+      self._compact(deadest)
+      self._cur = deadest
+      return deadest
     # Pages grow geometrically up to page_tokens, so a small buffer stays small and a large one has big pages.
     size = max(length, min(self.page_tokens, max(MIN_PAGE_TOKENS, self.capacity_tokens())))
     released = [p for p, t in enumerate(self._tok) if len(t) == 0]

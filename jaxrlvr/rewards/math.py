@@ -1,14 +1,15 @@
 """The verifiable math reward: 1.0 when math-verify says the completion's final answer equals the gold answer.
 
-math-verify times itself with `signal.alarm`, which works only in a process's main thread, and some inputs
-(`9^{9^{9^{9^{9}}}}`, deep nesting, megabyte strings) run for a long time inside C code where no alarm reaches.
-So scoring runs in a pool of persistent worker processes (`math_worker.py`, a fresh interpreter each), and the
-parent enforces a wall-clock deadline per item: an item that overruns is scored 0, its worker is killed and
-replaced, and the batch always completes. A worker that dies scores its current item 0 the same way.
+math-verify times itself with `signal.alarm`, which works only in a process's main thread and cannot interrupt
+code running inside C (a huge integer power, a regex); some inputs (`9^{9^{9^{9^{9}}}}`, deep nesting, megabyte
+strings) take seconds or never finish. So scoring runs in a pool of persistent worker processes (`math_worker.py`,
+a fresh interpreter each), and the parent enforces a wall-clock deadline per item: an item that overruns is
+scored 0, its worker is killed and replaced, and the batch always completes. A worker that dies scores its
+current item 0 the same way; the items queued behind it are re-queued.
 
 Before anything goes to a worker, a fast path settles the common case exactly: the gold answer is a plain
 integer and the completion ends in its only `\\boxed{<integer>}` (see `fast_verdict` for why this gives the same
-verdict as math-verify). Everything else goes to math-verify.
+verdict as math-verify). Everything else goes to math-verify. `benchmarks/rewards.py` measures both.
 """
 import collections
 import dataclasses
@@ -134,9 +135,11 @@ def _spawn_worker() -> _Worker:
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+  # A session of its own: Ctrl-C in the terminal reaches the trainer, which closes the pool, and not the workers
+  # (no tracebacks from them). A worker whose parent dies sees end of input and exits.
   proc = subprocess.Popen(
       [sys.executable, "-m", _WORKER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-      bufsize=0, close_fds=True)
+      bufsize=0, close_fds=True, start_new_session=True)
   os.set_blocking(proc.stdin.fileno(), False)
   os.set_blocking(proc.stdout.fileno(), False)
   return _Worker(proc=proc, started=time.monotonic())
@@ -390,7 +393,10 @@ class MathRewardPool:
     return 1
 
   def _fail_start(self, worker: _Worker, what: str) -> None:
+    """Raises for a worker that never became ready; its slot gets a fresh worker so the pool stays usable."""
     _stop_worker(worker, kill=True)
+    if worker in self._workers:
+      self._workers[self._workers.index(worker)] = _spawn_worker()
     raise RuntimeError(
         f"math-verify worker `{sys.executable} -m {_WORKER_MODULE}` {what}; run that command to see why "
         "(math-verify must be importable in this interpreter)")

@@ -1,0 +1,157 @@
+"""The embedded task, its tokenizer, prompt templates and the question iterator (jaxrlvr/data/)."""
+import collections
+import os
+
+import pytest
+import tokenizers
+import transformers
+
+from jaxrlvr.data import (ArithmeticSource, DataError, QuestionIterator, format_prompt, load_tokenizer,
+                          make_source, stop_token_ids, warm_start_texts)
+from jaxrlvr.data import synthetic
+from jaxrlvr.rewards import fast_verdict
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+  cache = str(tmp_path_factory.mktemp("cache"))
+  return cache, load_tokenizer("", cache_dir=cache)
+
+
+def test_arithmetic_is_deterministic_graded_and_correct():
+  train = make_source("synthetic:arithmetic", split="train", seed=3)
+  again = ArithmeticSource(split="train", seed=3)
+  other = ArithmeticSource(split="train", seed=4)
+  assert [train[i] for i in range(50)] == [again[i] for i in range(50)]
+  assert [train[i].question for i in range(50)] != [other[i].question for i in range(50)]
+  levels = collections.Counter(train[i].data_source for i in range(400))
+  assert levels == {f"arithmetic/{name}": 100 for name in synthetic.LEVELS}  # mixed evenly: qid % 4
+  for qid in range(400):
+    example = train[qid]
+    assert int(example.answer) == eval(example.question)  # pylint: disable=eval-used
+    assert int(example.answer) >= 0
+    assert example.solution.endswith(f"\\boxed{{{example.answer}}}")
+    assert fast_verdict(example.solution, example.answer) == 1.0  # the reward accepts the worked solution
+  assert train[2].question.count("-") == 1 and "=" in train[2].solution  # addsub2 shows its worked step
+  widths = {name: set() for name in synthetic.LEVELS}
+  for qid in range(400):
+    example = train[qid]
+    widths[example.data_source.split("/")[1]].add(tuple(len(t) for t in example.question.replace("*", "+")
+                                                                        .replace("-", "+").split("+")))
+  assert widths == {"add2": {(2, 2)}, "add3": {(3, 3)}, "addsub2": {(2, 2, 2)}, "mul1x2": {(1, 2)}}
+
+
+def test_train_and_test_are_disjoint_for_any_test_size():
+  largest_test = ArithmeticSource(split="test", seed=0, size=4 * synthetic.HELD_OUT_PER_LEVEL)
+  train = ArithmeticSource(split="train", seed=0)
+  held_out = {largest_test[i].question for i in range(len(largest_test))}
+  assert len(held_out) == len(largest_test)
+  assert not held_out & {train[i].question for i in range(len(train))}
+  assert len(ArithmeticSource(split="test", seed=0)) == 200
+  with pytest.raises(DataError, match=r"test size \(513\) must be <= 512"):
+    ArithmeticSource(split="test", size=513)
+  with pytest.raises(DataError, match="split must be 'train' or 'test', got 'validation'"):
+    ArithmeticSource(split="validation")
+  with pytest.raises(DataError, match="unknown synthetic task 'algebra'"):
+    make_source("synthetic:algebra")
+
+
+def test_embedded_tokenizer(embedded):
+  cache, tokenizer = embedded
+  assert len(tokenizer) <= 64 and tokenizer.pad_token_id == 0 and tokenizer.eos_token == "<eos>"
+  assert stop_token_ids(tokenizer) == [tokenizer.eos_token_id]
+  assert tokenizer.tokenize("\\boxed{907}") == ["\\boxed{", "9", "0", "7", "}"]  # digits one token each
+  source = ArithmeticSource(split="train", seed=0, size=2000)
+  longest_prompt = longest_completion = 0
+  for prompt, completion in warm_start_texts(source, tokenizer=tokenizer):
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    completion_ids = tokenizer(completion)["input_ids"]
+    assert tokenizer.unk_token_id not in prompt_ids + completion_ids
+    assert completion_ids[-1] == tokenizer.eos_token_id  # the warm start teaches the model to stop
+    assert tokenizer.decode(prompt_ids + completion_ids) == prompt + completion  # lossless round trip
+    longest_prompt = max(longest_prompt, len(prompt_ids))
+    longest_completion = max(longest_completion, len(completion_ids))
+  # "Q: 47+38-21\nA: " is 3 + 8 + 1 + 3 = 15; "198-10=\boxed{188}<eos>" is 3+1+2+1+1+3+1+1 = 13.
+  assert (longest_prompt, longest_completion) == (15, 13)
+  # It is an ordinary Hugging Face tokenizer directory, cached, with no staging directory left behind.
+  path = os.path.join(cache, "tokenizer-v1")
+  reloaded = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  assert reloaded("Q: 1+2\nA: ")["input_ids"] == tokenizer("Q: 1+2\nA: ")["input_ids"]
+  stamp = os.path.getmtime(os.path.join(path, "tokenizer.json"))
+  load_tokenizer("", cache_dir=cache)
+  assert os.path.getmtime(os.path.join(path, "tokenizer.json")) == stamp
+  assert os.listdir(cache) == ["tokenizer-v1"]
+
+
+def _chat_tokenizer(path: str) -> str:
+  """A small word-level tokenizer with a Qwen-like chat template, written as an HF directory."""
+  words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                                   eos_token="<|endoftext|>", additional_special_tokens=["<|im_end|>"])
+  tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+  tokenizer.save_pretrained(path)
+  return path
+
+
+def test_local_tokenizer_directory_chat_template_and_stops(tmp_path):
+  tokenizer = load_tokenizer(_chat_tokenizer(str(tmp_path / "tok")))
+  assert stop_token_ids(tokenizer) == [1, 3]  # <|endoftext|> (eos) and <|im_end|> (end of turn)
+  verl = make_source("synthetic:arithmetic")[0]
+  prompt = format_prompt(verl, template="chat", tokenizer=tokenizer)
+  assert prompt == f"<|im_start|>user\n{verl.question}<|im_end|>\n<|im_start|>assistant\n"
+  with pytest.raises(DataError, match="is not a directory"):
+    load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_prompt_templates(embedded):
+  _, tokenizer = embedded
+  example = ArithmeticSource(split="test")[0]
+  assert format_prompt(example, template="plain") == f"Q: {example.question}\nA: "
+  # The embedded tokenizer's chat template reproduces the plain prompt, so 'chat' works on the default too.
+  assert format_prompt(example, template="chat", tokenizer=tokenizer) == format_prompt(example, template="plain")
+  qwen = format_prompt("What is 2+2?", template="qwen_math")
+  assert qwen == ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
+                  "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+  r1 = format_prompt("What is 2+2?", template="r1")
+  assert "<think> </think>" in r1 and r1.endswith("User: What is 2+2?\nAssistant:")
+  with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+    format_prompt(example, template="chat", tokenizer=None)
+  with pytest.raises(ValueError, match="tokenizer.template='alpaca' is not one of"):
+    format_prompt(example, template="alpaca")
+
+
+def test_iterator_epochs_hosts_exclusion_and_resume():
+  source = list(range(10))  # only len() is used
+  it = QuestionIterator(source, seed=1)
+  first, second = it.next(10), it.next(10)
+  assert sorted(first) == sorted(second) == list(range(10)) and first != second  # reshuffled per epoch
+  assert QuestionIterator(source, seed=1, shuffle=False).next(12) == list(range(10)) + [0, 1]
+
+  # Two hosts: the same permutation, alternate entries, 10 // 2 = 5 each, disjoint within an epoch.
+  host0 = QuestionIterator(source, seed=1, host_id=0, num_hosts=2).next(5)
+  host1 = QuestionIterator(source, seed=1, host_id=1, num_hosts=2).next(5)
+  assert host0 == first[0::2] and host1 == first[1::2]
+  # Three hosts: 10 // 3 = 3 each; the tenth question is left out of this epoch.
+  assert len(set(sum((QuestionIterator(source, seed=1, host_id=h, num_hosts=3).next(3) for h in range(3)), []))) == 9
+
+  # Restoring mid-epoch continues with exactly what the original would have drawn.
+  it = QuestionIterator(source, seed=7)
+  it.next(13)
+  state = it.state_dict()
+  expected = it.next(15)
+  restored = QuestionIterator(source, seed=7)
+  restored.load_state_dict(state)
+  assert restored.next(15) == expected
+  with pytest.raises(ValueError, match="saved num_hosts=1 but this iterator has num_hosts=2"):
+    QuestionIterator(source, seed=7, num_hosts=2).load_state_dict(state)
+
+  # Excluded (retired) qids are passed over; n fresh qids are still returned.
+  drawn = QuestionIterator(source, seed=2).next(8, exclude={0, 1, 2})
+  assert len(drawn) == 8 and not {0, 1, 2} & set(drawn)
+  with pytest.raises(ValueError, match="every one of this host's 10 questions is excluded"):
+    QuestionIterator(source, seed=2).next(1, exclude=set(range(10)))
+  with pytest.raises(ValueError, match="10 questions cannot be split over 11 hosts"):
+    QuestionIterator(source, seed=0, host_id=0, num_hosts=11)

@@ -1,0 +1,95 @@
+"""The main job end to end on the `:smoke` configs: every method runs, resumes exactly after SIGKILL, and refuses a
+config change that would break resumption."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrlvr import metrics as metrics_lib
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+  """One warm-start cache for every smoke run of the session (the cache key is the same for all methods)."""
+  return str(tmp_path_factory.mktemp("warm_start"))
+
+
+def _command(method: str, workdir: str, cache: str, *extra: str) -> list[str]:
+  return [sys.executable, "-m", "jaxrlvr.main", f"--config=configs/{method}.py:smoke", f"--workdir={workdir}",
+          f"--config.warm_start.cache_dir={cache}", *extra]
+
+
+def _env():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # the main job as a user runs it
+  return env
+
+
+def _run(method, workdir, cache, *extra):
+  result = subprocess.run(_command(method, workdir, cache, *extra), cwd=_REPO, env=_env(), capture_output=True,
+                          text=True, timeout=_TIMEOUT_S)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return result
+
+
+def _by_step(workdir):
+  """The last row logged for each step, without wall-clock fields (they differ between runs)."""
+  rows = {}
+  for row in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+    rows[row["step"]] = {k: v for k, v in row.items() if k != "time" and not k.startswith("time/")}
+  return rows
+
+
+@pytest.mark.parametrize("method", ["grpo", "advantage_priority", "bapo"])
+def test_smoke_runs_every_method(method, tmp_path, warm_cache):
+  workdir = str(tmp_path / method)
+  _run(method, workdir, warm_cache)
+  rows = _by_step(workdir)
+  assert sorted(rows) == [0, 1, 2, 3, 4]
+  for key in ("rollout/solve_rate", "rollout/response_length", "loss/policy", "loss/entropy", "optim/grad_norm",
+              "optim/skipped", "policy/fresh/ratio_mean", "time/step_s"):
+    assert key in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1], key
+  assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[4]
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["replay"]["name"] == ("none" if method == "grpo" else method)
+  assert any(name.startswith("events") for name in os.listdir(os.path.join(workdir, "tensorboard")))
+  # Started again on a finished workdir, the job says so and exits 0.
+  again = _run(method, workdir, warm_cache)
+  assert "is finished" in again.stdout
+
+
+def test_sigkill_after_first_checkpoint_resumes_exactly(tmp_path, warm_cache):
+  reference = str(tmp_path / "reference")
+  _run("exgrpo", reference, warm_cache)
+  killed = str(tmp_path / "killed")
+  proc = subprocess.Popen(_command("exgrpo", killed, warm_cache), cwd=_REPO, env=_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  first = os.path.join(killed, "checkpoints", "2")
+  deadline = time.time() + _TIMEOUT_S
+  while not os.path.isdir(first) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert os.path.isdir(first), "the run ended before its first checkpoint"
+  _run("exgrpo", killed, warm_cache)
+  expected, resumed = _by_step(reference), _by_step(killed)
+  assert sorted(resumed) == sorted(expected) == [0, 1, 2, 3, 4]
+  assert resumed[4]["replay/replayed_rollouts"] > 0 or expected[4]["replay/buffer_trajectories"] == 0
+  for step in (3, 4):
+    assert resumed[step] == expected[step], step
+
+
+def test_resume_refuses_a_config_change_that_breaks_it(tmp_path, warm_cache):
+  workdir = str(tmp_path / "run")
+  _run("grpo", workdir, warm_cache, "--config.total_steps=2")
+  result = subprocess.run(_command("grpo", workdir, warm_cache, "--config.rollout.group_size=8"), cwd=_REPO,
+                          env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
+  assert result.returncode != 0
+  assert "rollout.group_size: 4 -> 8" in result.stderr
