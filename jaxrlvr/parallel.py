@@ -210,3 +210,28 @@ def describe_sharding(model: Any, mesh: Mesh | None = None, rules: Any = None) -
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.append(f"total parameters: {param_count(model):,}")
   return "\n".join(lines)
+
+
+def initialize_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
+  """Joins this process to a multi-process JAX job; a no-op for a single process.
+
+  Sources, first match wins: explicit arguments (main's --coordinator_address/--num_processes/--process_id), the
+  JAXRLVR_COORDINATOR / JAXRLVR_NUM_PROCESSES / JAXRLVR_PROCESS_ID variables that `launch/local.sh` and
+  `launch/slurm.sbatch` set, then JAX's own cluster detection (TPU pods, SLURM with more than one task).
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  env = os.environ
+  coordinator_address = coordinator_address or env.get("JAXRLVR_COORDINATOR", "")
+  num_processes = num_processes or int(env.get("JAXRLVR_NUM_PROCESSES", "0"))
+  process_id = process_id if process_id >= 0 else int(env.get("JAXRLVR_PROCESS_ID", "-1"))
+  if coordinator_address:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f"parallel.py: coordinator {coordinator_address!r} needs num_processes >= 1 and 0 <= "
+                       f"process_id < num_processes, got {num_processes} and {process_id}")
+    if num_processes == 1:
+      return
+    if env.get("JAX_PLATFORMS", "") == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  elif int(env.get("SLURM_NTASKS", "1")) > 1 or env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
+    jax.distributed.initialize()

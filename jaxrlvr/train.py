@@ -86,7 +86,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       json.dump(config.to_dict(), f, indent=2, sort_keys=True)
 
   # ------------------------------------------------------------------------------------------------ Data
-  tokenizer = data_lib.load_tokenizer(config.tokenizer.path)
+  tokenizer = data_lib.tokenizer_from_config(config)
   train_set, eval_set = data_lib.sources_from_config(config)
   eval_examples = [eval_set[q] for q in range(min(len(eval_set), config.data.eval_size or len(eval_set)))]
   questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=jax.process_index(),

@@ -2,12 +2,13 @@
 import collections
 import os
 
+import ml_collections
 import pytest
 import tokenizers
 import transformers
 
 from jaxrlvr.data import (ArithmeticSource, DataError, QuestionIterator, format_prompt, load_tokenizer,
-                          make_source, stop_token_ids, warm_start_texts)
+                          make_source, sources_from_config, stop_token_ids, warm_start_texts)
 from jaxrlvr.data import synthetic
 from jaxrlvr.rewards import fast_verdict
 
@@ -155,3 +156,16 @@ def test_iterator_epochs_hosts_exclusion_and_resume():
     QuestionIterator(source, seed=2).next(1, exclude=set(range(10)))
   with pytest.raises(ValueError, match="10 questions cannot be split over 11 hosts"):
     QuestionIterator(source, seed=0, host_id=0, num_hosts=11)
+
+
+def test_sources_from_config(tmp_path):
+  path = tmp_path / "eval.jsonl"
+  path.write_text('{"question": "1+1", "answer": "2"}\n')
+  data = dict(source="synthetic:arithmetic", eval_source="", question_field="question", answer_field="answer",
+              solution_field="solution", eval_size=40, train_size=100)
+  config = ml_collections.ConfigDict({"seed": 5, "data": data})
+  train, held_out = sources_from_config(config)
+  assert (len(train), len(held_out)) == (100, 40)
+  assert train[0] == ArithmeticSource(split="train", seed=5)[0]  # the run's seed picks the question set
+  config.data.eval_source = f"jsonl:{path}"
+  assert sources_from_config(config)[1][0].answer == "2"

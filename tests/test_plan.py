@@ -28,8 +28,8 @@ def paper_plan():
 def test_7b_parameters_optimizer_and_gradients_per_device(paper_plan):
   assert jax.device_count() == 8  # conftest: the specs come from a real mesh of fake devices
   assert paper_plan["param_count"] == 7_615_616_512
-  # Replicated (no dimension divisible by the fsdp rule's axis... or no logical 'embed' dim): q/k/v biases
-  # (28 + 4 + 4) x 128 = 4,608 and two norms 2 x 3,584 = 7,168 per layer, over 28 layers, plus the final norm 3,584:
+  # Replicated (no 'embed' dimension, so no rule names fsdp): q/k/v biases (28 + 4 + 4) x 128 = 4,608 and two
+  # norms 2 x 3,584 = 7,168 per layer, over 28 layers, plus the final norm 3,584:
   # 28 x 11,776 + 3,584 = 333,312. Everything else is split 8 ways over fsdp on its 'embed' dimension (3584 / 8).
   replicated = 28 * ((28 + 4 + 4) * 128 + 2 * 3584) + 3584
   assert replicated == 333_312

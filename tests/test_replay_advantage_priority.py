@@ -122,12 +122,16 @@ def test_replayed_rollouts_keep_stored_advantage_and_logprobs():
 def test_pool_composition_draws_as_many_rollouts_as_fresh_from_buffer_and_fresh_together():
   s = replay.make("advantage_priority", make_test_config(batch_size=2, composition="pool"))
   run_step(s, 0, [[1, 0, 0, 0], [1, 1, 0, 0]])
-  groups = run_step(s, 1, [[0, 0, 0, 1], [0, 0, 0, 0]])
-  assert all(len(g.rollouts) == 1 for g in groups) and len(groups) == K  # one kept fresh group of K
-  sources = {g.source for g in groups}
-  assert sources <= {"fresh", "replay"}
-  n_rep = sum(g.source == "replay" for g in groups)
-  assert all(r.replayed == (g.source == "replay") for g in groups for r in g.rollouts) and 0 <= n_rep <= K
+  n_replayed = n_fresh = 0
+  for step in range(1, 11):
+    groups = run_step(s, step, [[0, 0, 0, 1], [0, 0, 0, 0]])  # one kept fresh group: the batch holds 4 rollouts
+    assert len(groups) == K and all(len(g.rollouts) == 1 for g in groups)
+    assert all(r.replayed == (g.source == "replay") and (r.step < step) == r.replayed
+               for g in groups for r in g.rollouts)
+    n_replayed += sum(g.source == "replay" for g in groups)
+    n_fresh += sum(g.source == "fresh" for g in groups)
+  assert n_replayed > 0 and n_fresh > 0  # one draw over the buffer and this step's rollouts, not fresh + extra
+  assert n_replayed + n_fresh == 10 * K
 
 
 def test_priority_draws_follow_abs_advantage_power_alpha_chi_square():

@@ -28,9 +28,12 @@ def correct(k):
 def run_step(s, step, fresh, correct_of):
   """One protocol step; fresh: this step's question ids; correct_of[qid]: correct samples out of K (default 0)."""
   plan = s.plan(step, lambda n: fresh[:n])
-  sampled = [Group(r.qid, [Rollout(r.qid, np.array([r.qid, step, j, i], np.int32), np.full(4, -0.1 * (i + 1),
-                                   np.float32), float(x), step) for j, x in enumerate(correct(correct_of.get(r.qid, 0)))])
-             for i, r in enumerate(plan.requests)]
+  sampled = []
+  for i, r in enumerate(plan.requests):
+    rewards = correct(correct_of.get(r.qid, 0))
+    sampled.append(Group(r.qid, [Rollout(r.qid, np.array([r.qid, step, j, i], np.int32),
+                                         np.full(4, -0.1 * (i + 1), np.float32), float(x), step)
+                                 for j, x in enumerate(rewards)]))
   groups = s.compose(s.select(plan, []), sampled)
   s.observe(plan, sampled)
   return plan, groups

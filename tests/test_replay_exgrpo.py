@@ -16,8 +16,9 @@ def make_test_config(**overrides) -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict({"batch_size": overrides.pop("batch_size", 4),
                                          "group_size": overrides.pop("group_size", K)})
   c.loss = ml_collections.ConfigDict({"scale_by_std": False})
+  # start_solve_rate=2: replay stays off unless a test turns it on.
   c.replay = ml_collections.ConfigDict({"name": "exgrpo", "max_tokens": 0, "rho": 0.5, "bucket_sigma": 1.0,
-                                        "bucket_scale": "count", "start_solve_rate": 2.0})  # replay off unless a test turns it on
+                                        "bucket_scale": "count", "start_solve_rate": 2.0})
   c.replay.update(overrides)
   return c
 
@@ -81,7 +82,6 @@ def test_bucket_is_latest_correct_count():
   s = replay.make("exgrpo", make_test_config())
   run_step(s, 0, [1, 2, 3, 4], {1: [1, 0, 0, 0], 2: [1, 1, 1, 0], 3: [0] * 4, 4: [0] * 4})
   assert (s.bucket_of(1), s.bucket_of(2), s.bucket_of(3)) == (1, 3, -1)
-  s.active = False  # keep this step all fresh so question 1 is scripted directly
   run_step(s, 1, [1, 5, 6, 7], {1: [1, 1, 0, 0], 5: [0] * 4, 6: [0] * 4, 7: [0] * 4})
   assert s.bucket_of(1) == 2
   assert s.metrics()["replay/bucket_2"] == 1.0 and s.metrics()["replay/bucket_1"] == 0.0

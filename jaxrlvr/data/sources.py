@@ -274,12 +274,13 @@ def sources_from_config(config) -> tuple[Source, Source]:
   """(train source, held-out source) from `config.data` and `config.seed`.
 
   Reads data.{source, eval_source, question_field, answer_field, solution_field, eval_size} and, when present,
-  data.data_dir (tfds). An empty eval_source means the held-out split of the synthetic task.
+  data.data_dir (tfds) and data.train_size (synthetic; 0 or absent: 20,000). An empty eval_source means the
+  held-out split of the synthetic task.
   """
   data = config.data
   kwargs = dict(question_field=data.question_field, answer_field=data.answer_field,
                 solution_field=data.solution_field, seed=config.seed, data_dir=data.get("data_dir") or None)
-  train = make_source(data.source, split="train", **kwargs)
+  train = make_source(data.source, split="train", size=data.get("train_size") or None, **kwargs)
   eval_spec = data.eval_source or "synthetic:arithmetic"
   held_out = make_source(eval_spec, split="test", size=data.eval_size if eval_spec.startswith("synthetic:") else None,
                          **kwargs)

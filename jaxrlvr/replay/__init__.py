@@ -13,10 +13,12 @@ Four strategies behind one interface, chosen by `config.replay.name`:
     strategy.observe(plan, sampled)                   # store / bucket / retire / evict / phase switch
     log(strategy.metrics())                           # {'replay/...': float}
 
-`state_dict()` is a flat dict of numpy arrays (no pickled objects): it round-trips through `np.savez` /
-`np.load` (see `save_state` / `load_state`) and through orbax as a pytree of arrays. A strategy restored with
-`load_state_dict` plans exactly what the original would have (same buffer, buckets, retired set, phase, RNG).
-The data iterator's position is the trainer's to checkpoint.
+`state_dict()` is a flat dict of non-empty numpy arrays (no pickled objects, empty arrays saved as their shape):
+it round-trips through `np.savez` / `np.load` (see `save_state` / `load_state`) and through orbax's
+StandardCheckpointer (tested). A strategy restored with `load_state_dict` plans exactly what the original would
+have (same buffer, buckets, retired set, FIFO, phase, RNG, row ids) and reports the same metrics. The data
+iterator's position is the trainer's to checkpoint. At ExGRPO's scale (200k trajectories of 1k tokens) the state
+is ~1.3 GB of arrays.
 
 Details of each method are in the module docstrings: base.py (the protocol), storage.py (memory layout and
 precision), exgrpo.py, advantage_priority.py, bapo.py, none.py; simulate.py drives a strategy without a model.

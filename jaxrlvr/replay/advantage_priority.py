@@ -151,7 +151,8 @@ class AdvantagePriority(base.Strategy):
   def observe(self, plan: Plan, sampled: Sequence[Group]) -> None:
     """Insert every rollout of the kept (non-zero-variance) fresh groups, then evict by capacity and tokens."""
     self._require_composed(plan, sampled)
-    new = [(g, float(np.std([r.reward for r in g.rollouts])), r) for g in plan.info["kept"] for r in g.rollouts]
+    stds = [float(np.std([r.reward for r in g.rollouts])) for g in plan.info["kept"]]
+    new = [(g, std, r) for g, std in zip(plan.info["kept"], stds) for r in g.rollouts]
     self.store.add_many([r.tokens for _, _, r in new], [r.logprobs for _, _, r in new],
                         qid=[g.qid for g, _, _ in new], step=[r.step for _, _, r in new],
                         reward=[r.reward for _, _, r in new], advantage=[r.advantage for _, _, r in new],
