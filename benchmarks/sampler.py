@@ -6,8 +6,10 @@
 Same weights for both (our random init, written with `save_pretrained`, read back by transformers and by
 `load_pretrained`), batch 64, 32-token prompts, 48 sampled tokens at temperature 1 with no top-k / top-p and no early
 stop (eos_ids=() for us; no eos and min_new_tokens=48 for transformers). Times exclude compilation (one warm-up call
-each) and are the median of `--repeats` calls; tokens/s = batch * new tokens / time, prefill included. PyTorch
-is timed with its default thread count and with 1 thread, and the faster is reported (the column says which).
+each); ours and transformers' are timed round-robin, `--repeats` calls each, and the best call is reported (medians
+on the next line), so load from other jobs on a shared machine falls on both alike. tokens/s = batch * new tokens /
+time, prefill included. PyTorch is timed with its default thread count and with 1 thread, and the faster is reported
+(the column says which).
 
 On a GPU, a second section samples from the `qwen2.5-math-1.5b` preset with random bf16 weights and reports
 tokens/s and the fraction of the device's memory bandwidth that the decode loop uses (every step reads all weights
@@ -54,6 +56,22 @@ def _median_time(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
+def _interleaved_times(fns: dict, repeats: int) -> dict:
+  """Seconds per call of each function, {name: [t1, ...]}, timed round-robin after one warm-up call each.
+
+  Round-robin, so that load from other jobs on a shared machine falls on every contender alike.
+  """
+  for fn in fns.values():
+    fn()
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
 def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
   rs = np.random.RandomState(seed)
   return [rs.randint(1, vocab, size=length).tolist() for _ in range(batch)]
@@ -84,28 +102,32 @@ def bench_cpu_model(name: str, config: ModelConfig, args: argparse.Namespace) ->
   seed = iter(range(10**6))
   run = lambda use_cache: sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)),
                                             temperature=1.0, eos_ids=(), use_cache=use_cache)
-  cached = _median_time(lambda: run(True), args.repeats)
-  uncached = None if args.skip_uncached else _median_time(lambda: run(False), args.uncached_repeats)
-
   ids, mask = _left_pad(prompts)
   ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
 
-  def hf_run():
+  def hf_run(threads):
+    torch.set_num_threads(threads)
     with torch.no_grad():
       out = hf.generate(ids_t, attention_mask=mask_t, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                         max_new_tokens=new, min_new_tokens=new, pad_token_id=0, eos_token_id=None)
     assert out.shape[1] == ids.shape[1] + new, out.shape
 
-  # PyTorch's best: its default thread count, or 1 thread, which wins on a machine shared with other jobs.
-  hf_times = {}
+  # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other jobs);
+  # the faster of the two is reported.
   default_threads = torch.get_num_threads()
+  contenders = {"ours": lambda: run(True)}
   for threads in sorted({default_threads, 1}, reverse=True):
-    torch.set_num_threads(threads)
-    hf_times[threads] = _median_time(hf_run, args.repeats)
+    contenders[f"hf{threads}"] = lambda t=threads: hf_run(t)
+  times = _interleaved_times(contenders, args.repeats)
   torch.set_num_threads(default_threads)
-  hf_threads = min(hf_times, key=hf_times.get)
-  return dict(name=name, params=_param_count(ours), hf=tokens / hf_times[hf_threads], hf_threads=hf_threads,
-              ours=tokens / cached, uncached=None if uncached is None else tokens / uncached, greedy_agrees=agree)
+  uncached = None if args.skip_uncached else _median_time(lambda: run(False), args.uncached_repeats)
+
+  best = {name: min(t) for name, t in times.items()}
+  median = {name: statistics.median(t) for name, t in times.items()}
+  hf_name = min((n for n in times if n.startswith("hf")), key=best.get)
+  return dict(name=name, params=_param_count(ours), hf=tokens / best[hf_name], hf_threads=int(hf_name[2:]),
+              ours=tokens / best["ours"], hf_median=tokens / median[hf_name], ours_median=tokens / median["ours"],
+              uncached=None if uncached is None else tokens / uncached, greedy_agrees=agree)
 
 
 def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +142,8 @@ def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
   print(f"\nCPU ({os.cpu_count()} cores), batch {args.batch}, {args.prompt_len}-token prompts, {args.new_tokens} new "
-        f"tokens, temperature 1, no early stop; tokens/s (median of {args.repeats})")
+        f"tokens, temperature 1, no early stop; tokens/s, best of {args.repeats} interleaved calls "
+        f"(no cache: median of {args.uncached_repeats})")
   header = (f"{'model':<8} {'params':>11} {'transformers':>13} {'(threads)':>9} {'jaxrlvr':>10} {'ratio':>7} "
             f"{'no cache':>10} {'cache gain':>11} {'greedy==HF':>11}")
   print(header)
@@ -131,6 +154,8 @@ def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"{r['name']:<8} {r['params']:>11,} {r['hf']:13.0f} {r['hf_threads']:>9} {r['ours']:10.0f} "
           f"{r['ours'] / r['hf']:6.2f}x "
           f"{uncached:>10} {gain:>11} {str(r['greedy_agrees']):>11}")
+  print("medians: " + "; ".join(f"{r['name']}: transformers {r['hf_median']:.0f}, jaxrlvr {r['ours_median']:.0f} "
+                                f"({r['ours_median'] / r['hf_median']:.2f}x)" for r in rows))
 
 
 def gpu_section(args: argparse.Namespace) -> None:
@@ -176,7 +201,7 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--prompt_len", type=int, default=32)
   parser.add_argument("--new_tokens", type=int, default=48)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--uncached_repeats", type=int, default=1)
   parser.add_argument("--skip_uncached", action="store_true", help="the no-cache baseline takes ~1 min at 12M")
   parser.add_argument("--models", default="tiny,12m", help="comma-separated: tiny, 12m")

@@ -375,9 +375,10 @@ def format_plan(config: Any, mesh_shape: Sequence[int], memory: dict[str, int], 
       + ("local devices)" if w.mesh_kind == "devices" else "an abstract mesh: fewer local devices)"),
       f"step: {config.rollout.batch_size} questions x {k} = {config.rollout.batch_size * k} rollouts; update batch "
       f"{w.rows} rows of {w.prompt_len} + {w.completion_len} = {w.seq_len} tokens",
-      f"      {t.num_minibatches} optimizer steps x {t.num_microbatches} micro-batches: {w.micro_rows} rows a device "
-      f"per micro-batch; scoring {w.score_rows} rows a device per pass ({score_chunks} pass(es)); sampler "
-      f"{w.rollout_rows} rows a device per call ({rollout_chunks} call(s))",
+      f"      {_n(t.num_minibatches, 'optimizer step')} x {_n(t.num_microbatches, 'micro-batch')}: "
+      f"{_n(w.micro_rows, 'row')} a device per micro-batch; scoring: {_n(w.score_rows, 'row')} a device "
+      f"per pass, {_n(score_chunks, 'pass')}; sampler: {_n(w.rollout_rows, 'row')} a device per call, "
+      f"{_n(rollout_chunks, 'call')}",
       "",
       f"{'per device':<46}{'GB':>9}",
       _row("parameters", mem["params"]),
@@ -417,6 +418,10 @@ def format_plan(config: Any, mesh_shape: Sequence[int], memory: dict[str, int], 
     lines.append(f"  {acc.name:<24}{_gb(acc.memory)}{_gb(usable_fraction * acc.memory)}{_gb(mem['peak'])}  "
                  f"{'yes' if ok else 'NO ':<4}{_gb(mem['replay_host'] / hosts)} ({hosts} host{'s' * (hosts > 1)})")
   return "\n".join(lines)
+
+
+def _n(count: int, noun: str) -> str:
+  return f"{count} {noun}" + ("" if count == 1 else ("es" if noun.endswith(("s", "h")) else "s"))
 
 
 def _row(label: str, value: float, indent: str = "  ") -> str:

@@ -122,8 +122,13 @@ def pack_rows(book: PromptBook, qids: Sequence[int], completions: Sequence[np.nd
 
 
 def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len: int, completion_len: int,
-                rows: int, pad_id: int, clip_fresh: bool) -> dict:
-  """The update's batch (module doc) from the final groups, whose every rollout has its advantage set."""
+                rows: int, pad_id: int, clip_fresh: bool, token_advantages: np.ndarray | None = None,
+                loss_mask: np.ndarray | None = None) -> dict:
+  """The update's batch (module doc) from the final groups, whose every rollout has its advantage set.
+
+  token_advantages [N, completion_len] and loss_mask [N] (ExpRL's dense rewards), when given, replace the
+  rollouts' scalar advantages and drop the rollouts whose mask is 0 from the loss.
+  """
   rollouts = [r for g in groups for r in g.rollouts]
   batch = pack_rows(book, [r.qid for r in rollouts], [r.tokens for r in rollouts], prompt_len=prompt_len,
                     completion_len=completion_len, rows=rows, pad_id=pad_id)
@@ -139,9 +144,31 @@ def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len:
     advantages[row] = r.advantage
     behaviour[row, :len(r.logprobs)] = r.logprobs
     replayed[row] = r.replayed
+  if token_advantages is not None:
+    advantages[:len(rollouts)] = token_advantages
+  if loss_mask is not None:
+    batch["completion_mask"][:len(rollouts)] *= np.asarray(loss_mask, np.float32)[:, None]
   batch.update(advantages=advantages, behaviour_logp=behaviour, replayed=replayed,
                clip=np.full(rows, clip_fresh, bool))
   return batch
+
+
+def dense_reward_groups(groups: Sequence[replay.Group], book: PromptBook, *, completion_len: int) -> list:
+  """ExpRL: the final groups as the judge's RolloutGroups (question, hidden reference solution, padded token ids)."""
+  from jaxrlvr.rewards import dense  # pylint: disable=g-import-not-at-top
+  out = []
+  for g in groups:
+    ids = np.zeros((len(g.rollouts), completion_len), np.int32)
+    for i, r in enumerate(g.rollouts):
+      ids[i, :len(r.tokens)] = r.tokens
+    example = book.example(g.qid)
+    if not example.solution:
+      raise ValueError(f"ExpRL needs a reference solution: question {g.qid} of {book.source!r} has none "
+                       "(set data.solution_field)")
+    out.append(dense.RolloutGroup(question=example.question, reference=example.solution, token_ids=ids,
+                                  lengths=np.array([len(r.tokens) for r in g.rollouts]),
+                                  finished=np.array([r.finished for r in g.rollouts])))
+  return out
 
 
 def answer_entropy_batch(book: PromptBook, score_requests: Sequence[replay.ScoreRequest], *, prompt_len: int,

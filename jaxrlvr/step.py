@@ -166,10 +166,25 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
                  donate_argnums=(0,))
 
 
-def make_score_fn(graphdef, *, temperature: float, batch_sharding):
-  """Jitted (params, batch) -> completion (log-probs, entropies) [R, T]: old log-probs and ExGRPO's answer entropy."""
+def make_score_fn(graphdef, *, temperature: float, batch_sharding, num_chunks: int = 1):
+  """Jitted (params, batch) -> completion (log-probs, entropies) [R, T]: old log-probs and ExGRPO's answer entropy.
+
+  The rows are scored `num_chunks` at a time (the update's micro-batch count), so the forward pass never holds more
+  activations than one micro-batch of the update does.
+  """
 
   def score(params, batch):
-    return completion_logprobs(nnx.merge(graphdef, params), batch, temperature)
+    model = nnx.merge(graphdef, params)
+    rows = batch["input_ids"].shape[0]
+    chunks = jax.tree.map(lambda x: _split_rows(x, 1, num_chunks)[0], batch)  # [n, R / n, ...]
+
+    def score_chunk(chunk):
+      chunk = jax.lax.with_sharding_constraint(chunk, batch_sharding)
+      return completion_logprobs(model, chunk, temperature)
+
+    logp, entropy = jax.lax.map(score_chunk, chunks)  # [n, R / n, T] each
+    # Undo the interleaving of _split_rows: row i went to chunk i % n, position i // n.
+    unsplit = lambda x: jnp.swapaxes(x, 0, 1).reshape(rows, *x.shape[2:])
+    return unsplit(logp), unsplit(entropy)
 
   return jax.jit(score, in_shardings=(None, batch_sharding), out_shardings=batch_sharding)

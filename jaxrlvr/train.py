@@ -27,6 +27,8 @@ from jaxrlvr import rollout
 from jaxrlvr import sampling
 from jaxrlvr import step as step_lib
 from jaxrlvr import warm_start
+from jaxrlvr.rewards import dense as dense_lib
+from jaxrlvr.rewards import judge as judge_lib
 
 
 def batch_rows(config: ml_collections.ConfigDict, batch_shards: int) -> int:
@@ -111,12 +113,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
                                    batch_sharding=batch_sharding)
   score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature or 1.0,
-                                 batch_sharding=batch_sharding)
+                                 batch_sharding=batch_sharding,
+                                 num_chunks=config.train.num_minibatches * config.train.num_microbatches)
   reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
 
   # ------------------------------------------------------------------------------------------------ Replay, rewards
   strategy = replay.make(config.replay.name, config)
   reward_pool = rewards.MathRewardPool.from_config(config)
+  judge = _build_judge(config, model, tokenizer, mesh) if config.method == "exprl" else None
   max_delay = config.replay.get("policy_delay", 0)
   # BAPO samples with the parameters of `policy_delay` updates ago: history[d] = params d updates ago.
   history = collections.deque(maxlen=max_delay) if max_delay else None
@@ -200,9 +204,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # Update: old log-probs under the current params, then the jitted optimizer steps.
     t = time.perf_counter()
     clip_fresh = config.loss.clip and (config.loss.mixed_clip or not getattr(strategy, "active", False))
+    dense = None
+    if judge is not None:  # ExpRL: the judge's dense advantages replace the verifier's
+      judged = rollout.dense_reward_groups(groups, book, completion_len=completion_len)
+      dense = dense_lib.dense_rewards(judge, judged, tokenizer, **dense_lib.dense_reward_kwargs(config.exprl))
+      rollout_info.update(dense.metrics)
     batch = parallel.shard_batch(rollout.build_batch(
         groups, book, prompt_len=prompt_len, completion_len=completion_len, rows=rows, pad_id=sampler.pad_id,
-        clip_fresh=clip_fresh), mesh)
+        clip_fresh=clip_fresh, token_advantages=None if dense is None else dense.advantages,
+        loss_mask=None if dense is None else dense.loss_mask), mesh)
     batch["old_logp"], _ = score(state.params, batch)
     if reference is not None:
       batch["ref_logp"], _ = score(reference, batch)
@@ -240,6 +250,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   reward_pool.close()
   checkpointer.close()
   return last
+
+
+def _build_judge(config, policy_model, tokenizer, mesh):
+  """ExpRL's judge: an HTTP endpoint, a checkpoint run by our sampler, or (no path) a frozen copy of the policy."""
+  judge_config = config.exprl.judge
+  if judge_config.kind == "model":
+    if judge_config.path:
+      model, _ = models.load_pretrained(judge_config.path, mesh=mesh)
+      tokenizer = data_lib.load_tokenizer(judge_config.path)
+    else:
+      graphdef, params = nnx.split(policy_model)
+      model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
+    return judge_lib.judge_from_config(judge_config, model=model, tokenizer=tokenizer, mesh=mesh)
+  return judge_lib.judge_from_config(judge_config)
 
 
 def _round_up(n: int, multiple: int) -> int:

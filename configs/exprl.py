@@ -1,0 +1,60 @@
+"""ExpRL: a dense-reward stage before sparse-reward RL. A judge reads the question, a hidden reference solution and
+the policy's answer, and returns a score 1-5 mapped to (k-1)/4.
+
+    python -m jaxrlvr.main --config=configs/exprl.py:reward=process --workdir=/tmp/exprl \\
+        --config.exprl.judge.base_url=http://127.0.0.1:8000 --config.exprl.judge.model_name=Qwen/Qwen3-32B
+
+The judge is any OpenAI-compatible chat-completions endpoint (a vLLM or SGLang server; `exprl.judge.kind="http"`) or
+a checkpoint run by this package's sampler (`kind="model"`, `exprl.judge.path=HF_DIR`; empty: a frozen copy of the
+starting policy). The reference solution is the dataset's `data.solution_field` (`solution` in jsonl; the synthetic
+task supplies its worked solutions).
+- `:reward=outcome`: one score per rollout, GRPO advantages r - group mean.
+- `:reward=process`: the answer is cut at `exprl.delimiter` ("###", which belongs to the earlier segment), each
+  segment is scored, and segment advantages are `exprl.norm="end"` (s_t - s_T), `"delta"` (s_t - s_{t-1}, first
+  s_1 - s_T) or `"group"` (s_t - mean of the group's segment scores; `exprl.group_mean` picks the mean where the
+  seed leaves it open); each token gets its segment's advantage.
+A score that cannot be parsed removes the rollout from the loss (`judge/removed_rollouts`); a length-clipped answer
+scores 0. On the embedded CPU default (`:smoke`) the judge is the tiny policy itself: it cannot follow a judge
+prompt, so every rollout is a parse failure and removed -- that run checks the plumbing, not learning.
+
+Hand-off to sparse-reward RL: train this stage, then start GRPO or ExGRPO from its final checkpoint exported as an HF
+directory (`jaxrlvr.models.save_pretrained`), e.g.
+    python -m jaxrlvr.main --config=configs/exgrpo.py:model=qwen2.5-math-7b --config.model.path=PRIMED_HF_DIR ...
+"""
+import ml_collections
+
+from configs import base
+from jaxrlvr import config_lib
+
+
+def get_config(arg: str | None = None):
+  args = config_lib.parse_arg(arg, model="tiny", smoke=False, reward="outcome")
+  config = base.get_base_config(args)
+  config.method = "exprl"
+  config.replay.name = "none"
+  config.exprl = ml_collections.ConfigDict()
+  config.exprl.reward = args.reward
+  config.exprl.norm = "end"
+  config.exprl.group_mean = "segments"
+  config.exprl.delimiter = "###"
+  config.exprl.scale_by_std = False
+  judge = config.exprl.judge = ml_collections.ConfigDict()
+  judge.kind = "http"
+  judge.base_url = "http://127.0.0.1:8000"
+  judge.model_name = ""
+  judge.timeout_s = 120.0
+  judge.max_retries = 3
+  judge.max_concurrency = 32
+  judge.max_tokens = 1024
+  judge.api_key_env = ""
+  judge.path = ""  # kind=model: HF checkpoint of the judge; empty: a frozen copy of the starting policy
+  judge.max_new_tokens = 512
+  judge.batch_size = 8
+  judge.max_prompt_tokens = 0
+  if args.smoke or args.model == "tiny":
+    judge.kind = "model"
+    judge.max_new_tokens = 8
+    judge.batch_size = 64
+  if args.reward not in ("outcome", "process"):
+    raise config_lib.ConfigError(f"config arg reward={args.reward!r}: expected outcome or process")
+  return config_lib.finalize(config)
