@@ -100,8 +100,24 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
     threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
   logp = jax.nn.log_softmax(scaled, axis=-1)  # -inf outside the kept set
-  tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+  tokens = _inverse_cdf(jnp.exp(logp), jax.random.uniform(rng, logp.shape[:-1]))
   return tokens, _take(logp, tokens), _entropy(logp)
+
+
+def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+  """The token whose cumulative-probability interval holds u * total: probs [..., V], u [...] in [0, 1).
+
+  One uniform per row instead of the V Gumbel draws of `jax.random.categorical`: on CPU, generating the random bits
+  cost ~8x the rest of the sampling step at V = 8192. Zero-probability tokens have empty intervals and are never
+  drawn; scaling u by the computed total absorbs the cumsum's rounding.
+  """
+  cdf = jnp.cumsum(probs, axis=-1)  # [..., V]
+  target = u * cdf[..., -1]
+  tokens = jnp.sum(cdf <= target[..., None], axis=-1)  # the first index whose cdf exceeds the target
+  # u * total can round up to total: fall back to the last token that has probability.
+  vocab = probs.shape[-1]
+  last = vocab - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
+  return jnp.minimum(tokens, last).astype(jnp.int32)
 
 
 def _take(logp: jax.Array, tokens: jax.Array) -> jax.Array:

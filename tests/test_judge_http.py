@@ -21,6 +21,8 @@ class _Server:
     self.hits = collections.Counter()
     self.in_flight = 0
     self.max_in_flight = 0
+    self.holding = 0
+    self.max_holding = 0
     self.bodies = []
     self.auth = []
     self.lock = threading.Lock()
@@ -47,7 +49,14 @@ class _Server:
           if key == "SLOW":
             time.sleep(_SLOW_S)
           if key == "HOLD":
+            # Counted only while held, and released before the reply is sent: the client cannot start its next
+            # request until this reply arrives, so the count cannot race with the client.
+            with state.lock:
+              state.holding += 1
+              state.max_holding = max(state.max_holding, state.holding)
             time.sleep(0.1)
+            with state.lock:
+              state.holding -= 1
           if key == "DROP" and hit == 1:
             self.close_connection = True  # hang up without a status line: RemoteDisconnected on the client
             return
@@ -145,7 +154,7 @@ def test_concurrency_is_bounded_and_order_is_kept(server):
   requests = [_request(f"HOLD {i}") for i in range(6)] + [_request("MALFORMED")]
   results = _judge(server, max_concurrency=2).score(requests)
   assert [r.score for r in results] == [0.75] * 6 + [None]
-  assert server.max_in_flight == 2
+  assert server.max_holding == 2
 
 
 def test_unknown_model_raises_instead_of_dropping_every_rollout(server):

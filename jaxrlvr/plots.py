@@ -1,0 +1,228 @@
+"""Figures of a method comparison, one PNG per question, every x axis in generated rollout tokens (the budget).
+
+Curves are per method: the mean over seeds with a band of the 95% t-interval (no band with one seed). Per-step
+metrics are smoothed with a trailing moving average before averaging, since a step's batch is small and noisy.
+Inputs are `compare.RunData` objects (anything with .method, .seed, .tokens and .series(key)).
+"""
+import os
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib import ticker
+# Figure objects without pyplot: no backend to choose, no global state, so importing this module in a notebook
+# leaves its inline plots alone, and it runs without a display in CI and on pods.
+from matplotlib.figure import Figure
+
+from jaxrlvr import compare
+
+_GRID = 101  # points of the common budget axis every run is interpolated onto
+_COLORS = {"grpo": "tab:gray", "exgrpo": "tab:red", "advantage_priority": "tab:blue", "bapo": "tab:green",
+           "exprl": "tab:purple"}
+
+
+def _color(method: str, methods: Sequence[str]) -> str:
+  return _COLORS.get(method, f"C{list(methods).index(method) % 10}")
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+  """Trailing moving average (shorter at the start) that skips NaNs; a window of 1 returns the values."""
+  values = np.asarray(values, np.float64)
+  if window <= 1 or len(values) == 0:
+    return values
+  ok = ~np.isnan(values)
+  sums = np.cumsum(np.where(ok, values, 0.0))
+  counts = np.cumsum(ok)
+  lag = lambda a: np.concatenate([np.zeros(window), a[:-window]]) if len(a) > window else np.zeros_like(a)
+  n = counts - lag(counts)
+  return np.where(n > 0, (sums - lag(sums)) / np.maximum(n, 1), np.nan)
+
+
+def _nanmean(values, axis: int = 0):
+  """Mean over `axis` ignoring NaNs (NaN where every value is NaN, without numpy's warning)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    return np.nanmean(np.asarray(values, np.float64), axis=axis)
+
+
+def _by_method(runs) -> dict:
+  out: dict = {}
+  for r in runs:
+    out.setdefault(r.method, []).append(r)
+  return out
+
+
+def _band(ax, grid: np.ndarray, curves: np.ndarray, color: str, label: str) -> None:
+  """Mean line and CI band over runs; columns where a run has no value (NaN) use the runs that do."""
+  keep = ~np.all(np.isnan(curves), axis=0)
+  if not keep.any():
+    return
+  grid, curves = grid[keep], curves[:, keep]
+  if np.isnan(curves).any():
+    mean = _nanmean(curves)
+    half = np.full_like(mean, np.nan)
+  else:
+    mean, half = compare.confidence_interval(curves)
+  n = len(curves)
+  ax.plot(grid, mean, color=color, label=f"{label} (n={n})", lw=1.8)
+  if not np.all(np.isnan(half)):
+    ax.fill_between(grid, mean - half, mean + half, color=color, alpha=0.2, lw=0)
+
+
+def _interp(grid: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """y at the grid, linear between points and NaN outside them (no extrapolation of a metric)."""
+  ok = ~np.isnan(y)
+  if not ok.any():
+    return np.full_like(grid, np.nan)
+  out = np.interp(grid, x[ok], y[ok])
+  return np.where((grid >= x[ok][0]) & (grid <= x[ok][-1]), out, np.nan)
+
+
+def _finish(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str, grid: bool = True) -> str:
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  if grid:
+    ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+_BUDGET_LABEL = "rollout budget (generated tokens)"
+
+
+def accuracy_vs_budget(runs, budget: float, path: str) -> str:
+  """Held-out accuracy against tokens: evaluations joined linearly, the last one held to the budget (as the AUC)."""
+  grid = np.linspace(0, budget, _GRID)
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.subplots()
+  groups = _by_method(runs)
+  for method, members in groups.items():
+    curves = []
+    for r in members:
+      _, x, y = r.series(compare.ACCURACY_KEY)
+      keep = x <= budget
+      curves.append(np.interp(grid, x[keep], y[keep]))
+      ax.plot(x[keep], y[keep], ".", color=_color(method, groups), alpha=0.35, ms=4)
+    _band(ax, grid, np.asarray(curves), _color(method, groups), method)
+  return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel="held-out accuracy (greedy)",
+                 title="Held-out accuracy vs rollout budget (mean ± 95% CI over seeds; dots: evaluations)")
+
+
+def metric_vs_budget(runs, key: str, budget: float, path: str, *, ylabel: str, title: str, window: int = 10,
+                     valid_key: str | None = None) -> str | None:
+  """A per-step metric against tokens; steps where `valid_key` is 0 (e.g. no replayed tokens) are left out.
+  Returns None (and writes nothing) when no run logs the metric."""
+  grid = np.linspace(0, budget, _GRID)
+  groups = _by_method(runs)
+  curves = {}
+  for method, members in groups.items():
+    rows = []
+    for r in members:
+      steps, x, y = r.series(key)
+      if not len(y):
+        continue
+      if valid_key is not None:
+        valid = np.asarray([r.rows[s].get(valid_key, 0) > 0 for s in steps])
+        y = np.where(valid, y, np.nan)
+      rows.append(_interp(grid, x, smooth(y, window)))
+    if rows and not np.all(np.isnan(np.asarray(rows))):
+      curves[method] = np.asarray(rows)
+  if not curves:
+    return None
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.subplots()
+  for method, rows in curves.items():
+    _band(ax, grid, rows, _color(method, groups), method)
+  return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel=ylabel,
+                 title=f"{title} ({window}-step moving average)" if window > 1 else title)
+
+
+def bucket_heatmap(runs, path: str, *, method: str = "exgrpo") -> str | None:
+  """ExGRPO's buffer over time: questions in each bucket k (k of K answers correct), mean over the method's seeds."""
+  members = [r for r in runs if r.method == method]
+  keys = sorted({k for r in members for row in r.rows.values() for k in row if k.startswith("replay/bucket_")},
+                key=lambda k: int(k.rsplit("_", 1)[1]))
+  if not keys:
+    return None
+  last = min(max(r.rows) for r in members)
+  counts = np.full((len(members), len(keys), last), np.nan)  # [seeds, buckets, steps 1..last]
+  for i, r in enumerate(members):
+    for j, key in enumerate(keys):
+      steps, _, y = r.series(key)
+      keep = (steps >= 1) & (steps <= last)
+      counts[i, j, steps[keep] - 1] = y[keep]
+  mean = _nanmean(counts)  # [buckets, steps]
+  fig = Figure(figsize=(8, 3.8))
+  ax = fig.subplots()
+  image = ax.imshow(mean, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis", vmin=0,
+                    extent=(0.5, last + 0.5, int(keys[0].rsplit("_", 1)[1]) - 0.5,
+                            int(keys[-1].rsplit("_", 1)[1]) + 0.5))
+  fig.colorbar(image, ax=ax, label="questions in the bucket")
+  ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  ax.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  return _finish(fig, ax, path, xlabel="RL step", ylabel="bucket k (correct answers of K)", grid=False,
+                 title=f"ExGRPO buffer: questions per bucket over time (mean of {len(members)} seed(s))")
+
+
+def ratio_stats(runs, budget: float, path: str, *, window: int = 10) -> str:
+  """Importance ratios of fresh and replayed tokens: mean ± std, and the extremes (log scale)."""
+  grid = np.linspace(0, budget, _GRID)
+  groups = _by_method(runs)
+  fig = Figure(figsize=(11, 7))
+  axes = fig.subplots(2, 2, sharex=True)
+  for row, kind in enumerate(("fresh", "replayed")):
+    for method, members in groups.items():
+      color = _color(method, groups)
+      curves = {}
+      for stat in ("mean", "std", "max", "min"):
+        rows = []
+        for r in members:
+          steps, x, y = r.series(f"policy/{kind}/ratio_{stat}")
+          valid = np.asarray([r.rows[s].get(f"policy/{kind}/tokens", 0) > 0 for s in steps], bool)
+          rows.append(_interp(grid, x, smooth(np.where(valid, y, np.nan), window)) if len(y) else
+                      np.full_like(grid, np.nan))
+        curves[stat] = None if np.all(np.isnan(rows)) else _nanmean(rows)
+      if curves["mean"] is None:
+        continue
+      axes[row, 0].plot(grid, curves["mean"], color=color, label=method)
+      axes[row, 0].fill_between(grid, curves["mean"] - curves["std"], curves["mean"] + curves["std"], color=color,
+                                alpha=0.15, lw=0)
+      axes[row, 1].plot(grid, curves["max"], color=color, label=f"{method} max")
+      axes[row, 1].plot(grid, curves["min"], color=color, ls="--", label=f"{method} min")
+    axes[row, 0].set_ylabel(f"{kind} tokens: ratio mean ± std")
+    axes[row, 1].set_ylabel(f"{kind} tokens: ratio max / min")
+    axes[row, 1].set_yscale("log")
+    for ax in axes[row]:
+      ax.grid(alpha=0.3)
+      if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+  axes[0, 0].set_title("w = pi / pi_old (fresh), w* = pi / pi_recorded (replayed)")
+  axes[0, 1].set_title("extremes of the ratio per step")
+  for ax in axes[1]:
+    ax.set_xlabel(_BUDGET_LABEL)
+  fig.suptitle(f"Importance ratios by token kind (mean over seeds, {window}-step moving average)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+def write_all(runs, budget: float, outdir: str) -> list[str]:
+  """Every figure of the comparison into `outdir`; returns the paths written (a figure with no data is skipped)."""
+  os.makedirs(outdir, exist_ok=True)
+  out = os.path.join
+  paths = [
+      accuracy_vs_budget(runs, budget, out(outdir, "accuracy_vs_budget.png")),
+      metric_vs_budget(runs, "rollout/solve_rate", budget, out(outdir, "solve_rate.png"),
+                       ylabel="batch solve rate (correct / sampled rollouts)", title="Batch solve rate"),
+      metric_vs_budget(runs, "rollout/response_length", budget, out(outdir, "response_length.png"),
+                       ylabel="mean sampled response length (tokens)", title="Response length"),
+      bucket_heatmap(runs, out(outdir, "exgrpo_buckets.png")),
+      metric_vs_budget(runs, "replay/replayed_share", budget, out(outdir, "replayed_share.png"),
+                       ylabel="replayed rollouts / rollouts in the batch", title="Replayed share of each batch"),
+      ratio_stats(runs, budget, out(outdir, "ratio_stats.png")),
+  ]
+  return [p for p in paths if p is not None]

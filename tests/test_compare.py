@@ -1,0 +1,218 @@
+"""The comparison runner: summary statistics on hand-made metrics.jsonl files, the budget rule, resumption and the
+scheduler with a fake launcher, the figures, and one end-to-end CLI run on the smoke configs."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrlvr import compare
+from jaxrlvr import plots
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write_run(workdir, *, method, seed, tokens_per_step, evals, step_s=1.0, extra=None, duplicate_from=None):
+  """A metrics.jsonl like the main job's: one row per step with sampled tokens, evals at the given steps.
+  `duplicate_from=s` appends the rows from step s again (what a run resumed from a checkpoint at s-1 writes)."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump({"method": method, "seed": seed}, f)
+  rows = [{"step": 0, "eval/accuracy": evals[0]}]
+  for step, tokens in enumerate(tokens_per_step, 1):
+    row = {"step": step, "rollout/sampled_tokens": tokens, "time/step_s": step_s, "rollout/solve_rate": 0.5,
+           "rollout/response_length": 8.0, "policy/fresh/ratio_mean": 1.0, "policy/fresh/ratio_std": 0.1,
+           "policy/fresh/ratio_max": 1.5, "policy/fresh/ratio_min": 0.7, "policy/fresh/tokens": 100.0,
+           "policy/replayed/tokens": 0.0, "replay/replayed_share": 0.0, **(extra or {})}
+    if step in evals:
+      row["eval/accuracy"] = evals[step]
+    rows.append(row)
+  if duplicate_from is not None:
+    rows += rows[duplicate_from:]
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_confidence_interval_by_hand():
+  mean, half = compare.confidence_interval([1.0, 2.0, 3.0])
+  # mean 2, sample std 1, sem 1/sqrt(3) = 0.57735; t(0.975, df=2) = 4.302653 -> 4.302653 * 0.57735 = 2.48414.
+  assert mean == pytest.approx(2.0)
+  assert half == pytest.approx(2.48414, abs=1e-5)
+  mean, half = compare.confidence_interval([[0.0, 1.0], [2.0, 1.0]])  # per column: [0, 2] and [1, 1]
+  # column 0: sem = sqrt(2)/sqrt(2) = 1, t(0.975, 1) = 12.7062; column 1: no spread.
+  np.testing.assert_allclose(mean, [1.0, 1.0])
+  np.testing.assert_allclose(half, [12.7062, 0.0], atol=1e-4)
+  mean, half = compare.confidence_interval([0.4])
+  assert mean == pytest.approx(0.4) and np.isnan(half)
+
+
+def test_area_under_curve_and_accuracy_at_budget_by_hand():
+  tokens, acc = np.array([0, 100, 300, 500]), np.array([0.1, 0.3, 0.5, 0.9])
+  # Budget 400: 100 x (0.1 + 0.3) / 2 = 20, 200 x (0.3 + 0.5) / 2 = 80, then 0.5 held for 100 tokens = 50
+  # (the eval at 500 is past the budget) -> 150 / 400 = 0.375.
+  assert compare.area_under_curve(tokens, acc, 400) == pytest.approx(0.375)
+  assert compare.accuracy_at(tokens, acc, 400) == pytest.approx(0.5)
+  # Budget 250: 20 + 150 x 0.3 = 65 -> 65 / 250 = 0.26; the last eval at or below 250 is the one at 100.
+  assert compare.area_under_curve(tokens, acc, 250) == pytest.approx(0.26)
+  assert compare.accuracy_at(tokens, acc, 250) == pytest.approx(0.3)
+  with pytest.raises(ValueError, match="0 tokens"):
+    compare.area_under_curve(tokens[1:], acc[1:], 400)
+
+
+def test_resumed_rows_are_deduplicated_and_a_gap_is_an_error(tmp_path):
+  run = str(tmp_path / "r")
+  _write_run(run, method="grpo", seed=0, tokens_per_step=[10, 20, 30], evals={0: 0.0, 3: 0.5}, duplicate_from=2)
+  with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+    f.write('{"step": 4, "rollout/sampl')  # killed mid-write
+  data = compare.load_run(run)
+  assert (data.method, data.seed, sorted(data.rows)) == ("grpo", 0, [0, 1, 2, 3])
+  assert data.tokens == {0: 0.0, 1: 10.0, 2: 30.0, 3: 60.0}  # steps 2 and 3 counted once
+  rows = {0: {"step": 0}, 1: {"rollout/sampled_tokens": 5}, 3: {"rollout/sampled_tokens": 5}}
+  with pytest.raises(ValueError, match=r"steps \[2\].*log_every=1"):
+    compare.cumulative_tokens(rows, source="x")
+
+
+def _two_methods(tmp_path):
+  # grpo generates 100 tokens a step, exgrpo 80 (replay questions sample K-1): 5 steps -> 500 and 400 tokens.
+  _write_run(str(tmp_path / "grpo-s0"), method="grpo", seed=0, tokens_per_step=[100] * 5,
+             evals={0: 0.2, 2: 0.3, 4: 0.4, 5: 0.5}, step_s=1.0)
+  _write_run(str(tmp_path / "grpo-s1"), method="grpo", seed=1, tokens_per_step=[100] * 5,
+             evals={0: 0.2, 2: 0.5, 4: 0.6, 5: 0.7}, step_s=3.0)
+  extra = {"replay/bucket_1": 2.0, "replay/bucket_2": 5.0, "replay/bucket_3": 1.0, "replay/replayed_share": 0.2,
+           "policy/replayed/tokens": 20.0, "policy/replayed/ratio_mean": 1.1, "policy/replayed/ratio_std": 0.2,
+           "policy/replayed/ratio_max": 2.0, "policy/replayed/ratio_min": 0.5}
+  for seed, final in ((0, 0.6), (1, 0.8)):
+    _write_run(str(tmp_path / f"exgrpo-s{seed}"), method="exgrpo", seed=seed, tokens_per_step=[80] * 5,
+               evals={0: 0.2, 2: 0.4, 4: 0.5, 5: final}, step_s=2.0, extra=extra)
+  return [compare.load_run(str(tmp_path / n)) for n in ("grpo-s0", "grpo-s1", "exgrpo-s0", "exgrpo-s1")]
+
+
+def test_summarize_cuts_every_curve_at_the_common_budget(tmp_path):
+  runs = _two_methods(tmp_path)
+  summary = compare.summarize(runs)
+  assert summary.budget_tokens == 400  # the smallest total: exgrpo's 5 x 80
+  by_run = {r["run"]: r for r in summary.runs}
+  # grpo-s0: evals at 0, 200, 400 tokens (steps 0, 2, 4) -> accuracy at 400 is the step-4 eval, 0.4.
+  # AUC: 200 x (0.2 + 0.3) / 2 + 200 x (0.3 + 0.4) / 2 = 50 + 70 = 120 -> 120 / 400 = 0.3.
+  assert by_run["grpo-s0"]["final_accuracy"] == pytest.approx(0.4)
+  assert by_run["grpo-s0"]["auc"] == pytest.approx(0.3)
+  assert by_run["grpo-s0"]["steps_at_budget"] == 4
+  # grpo-s1: 0.6 at the budget; AUC (200 x 0.7 / 2 + 200 x 1.1 / 2) / 400 = (70 + 110) / 400 = 0.45.
+  assert by_run["grpo-s1"]["auc"] == pytest.approx(0.45)
+  # exgrpo-s0: evals at 0, 160, 320, 400 tokens: 160 x 0.6 / 2 + 160 x 0.9 / 2 + 80 x 1.1 / 2 = 48 + 72 + 44
+  # = 164 -> 0.41; accuracy at the budget is the step-5 eval, 0.6.
+  assert by_run["exgrpo-s0"]["final_accuracy"] == pytest.approx(0.6)
+  assert by_run["exgrpo-s0"]["auc"] == pytest.approx(0.41)
+  methods = {m["method"]: m for m in summary.methods}
+  # grpo final accuracy over seeds: [0.4, 0.6] -> mean 0.5, sem 0.1, half-width 12.7062 x 0.1 = 1.27062.
+  assert methods["grpo"]["final_accuracy_mean"] == pytest.approx(0.5)
+  assert methods["grpo"]["final_accuracy_ci95"] == pytest.approx(1.27062, abs=1e-4)
+  assert methods["grpo"]["step_time_s_mean"] == pytest.approx(2.0)  # medians 1 and 3
+  assert methods["exgrpo"]["seeds"] == 2 and methods["exgrpo"]["final_accuracy_mean"] == pytest.approx(0.7)
+  assert methods["exgrpo"]["tokens_per_step_mean"] == pytest.approx(80.0)
+  # An explicit budget that a run did not reach is an error, not a silently shorter curve.
+  with pytest.raises(ValueError, match="exgrpo-s0 \\(400\\)"):
+    compare.summarize(runs, budget_tokens=450)
+
+
+def test_results_files_and_figures(tmp_path):
+  runs = _two_methods(tmp_path / "runs")
+  summary = compare.summarize(runs)
+  out = str(tmp_path / "out")
+  figures = plots.write_all(runs, summary.budget_tokens, out)
+  assert sorted(os.path.basename(p) for p in figures) == sorted(
+      ["accuracy_vs_budget.png", "solve_rate.png", "response_length.png", "exgrpo_buckets.png",
+       "replayed_share.png", "ratio_stats.png"])
+  for path in figures:
+    with open(path, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+  compare.write_results(summary, out, command="python -m jaxrlvr.compare ...", wall_s=60.0,
+                        plots=[os.path.basename(p) for p in figures], missing=["bapo-s0"])
+  with open(os.path.join(out, "results.csv")) as f:
+    table = list(csv.DictReader(f))
+  assert [r["method"] for r in table] == ["grpo", "exgrpo"]
+  assert float(table[1]["auc_mean"]) == pytest.approx(float(np.mean(
+      [r["auc"] for r in summary.runs if r["method"] == "exgrpo"])))
+  with open(os.path.join(out, "results.md")) as f:
+    text = f.read()
+  assert "| grpo | 2 | 0.500 ± 1.271 |" in text
+  assert "![accuracy_vs_budget](accuracy_vs_budget.png)" in text and "bapo-s0" in text
+  # Without ExGRPO runs there is no bucket heatmap, and the other figures are still drawn.
+  assert plots.bucket_heatmap(runs[:2], str(tmp_path / "none.png")) is None
+
+
+def test_budget_extension_and_resumption_with_a_fake_launcher(tmp_path):
+  """run_one resumes to `steps`, then extends total_steps until the run has generated the budget."""
+  launches = []
+
+  def launch(spec, steps):  # a run that generates 100 tokens a step and checkpoints at its end
+    launches.append(steps)
+    _write_run(spec.workdir, method=spec.method, seed=spec.seed, tokens_per_step=[100] * steps, evals={0: 0.0})
+    os.makedirs(os.path.join(spec.workdir, "checkpoints", str(steps)), exist_ok=True)
+    return 0
+
+  spec = compare.RunSpec("grpo", 0, str(tmp_path / "grpo-s0"), str(tmp_path / "log"))
+  compare.run_one(spec, steps=4, budget_tokens=1000, launch=launch)
+  # 4 steps give 400 tokens; 600 more at 100 a step, plus 5%: ceil(6.3) = 7 more steps -> 11 (1,100 tokens).
+  assert launches == [4, 11]
+  compare.run_one(spec, steps=4, budget_tokens=1000, launch=launch)  # rerun: finished and over budget
+  assert launches == [4, 11]
+  assert compare.finished_step(spec.workdir) == 11
+
+
+def test_run_all_starts_each_seeds_first_run_first_and_survives_a_failure(tmp_path):
+  order = []
+
+  def launch(spec, steps):
+    order.append(spec.name)
+    if spec.name == "exgrpo-s1":
+      return 3
+    _write_run(spec.workdir, method=spec.method, seed=spec.seed, tokens_per_step=[10] * steps, evals={0: 0.0})
+    os.makedirs(os.path.join(spec.workdir, "checkpoints", str(steps)), exist_ok=True)
+    return 0
+
+  specs = [compare.RunSpec(m, s, str(tmp_path / f"{m}-s{s}"), str(tmp_path / f"{m}-s{s}.log"))
+           for m in ("grpo", "exgrpo") for s in (0, 1)]
+  errors = compare.run_all(specs, parallel=1, launch=launch, steps=2, budget_tokens=None)
+  assert order == ["grpo-s0", "grpo-s1", "exgrpo-s0", "exgrpo-s1"]
+  assert errors["exgrpo-s1"].startswith("RuntimeError: exgrpo-s1: the main job exited with 3")
+  assert [k for k, v in errors.items() if v] == ["exgrpo-s1"]
+
+
+def test_train_command_runs_one_device_per_run():
+  spec = compare.RunSpec("exgrpo", 2, "/w/exgrpo-s2", "/w/log")
+  cmd = compare.train_command(spec, steps=7, eval_every=3, smoke=True, cache_dir="/c", overrides=["optim.lr=1e-5"])
+  assert cmd[1:3] == ["-m", "jaxrlvr.main"] and cmd[3].endswith("configs/exgrpo.py:smoke")
+  for flag in ("--config.seed=2", "--config.total_steps=7", "--config.log_every=1", "--config.eval_every=3",
+               "--config.warm_start.cache_dir=/c", "--config.optim.lr=1e-5"):
+    assert flag in cmd
+  env = compare.run_env(threads=1)
+  assert "--xla_force_host_platform_device_count=1" in env["XLA_FLAGS"].split()
+  assert "--xla_force_host_platform_device_count=8" not in env["XLA_FLAGS"]
+  with pytest.raises(ValueError, match="no_such_method"):
+    compare.method_config("no_such_method")
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_on_smoke_configs(tmp_path):
+  """Two methods, one seed, the smoke configs: runs, results, figures; a second invocation trains nothing."""
+  outdir = str(tmp_path / "compare")
+  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--seeds=1", "--methods=grpo,exgrpo",
+         f"--outdir={outdir}", f"--warm_start_cache={tmp_path / 'warm_start'}", "--parallel=2"]
+  first = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=600)
+  assert first.returncode == 0, first.stderr[-4000:]
+  assert "compare: grpo-s0: training to step 4" in first.stdout
+  with open(os.path.join(outdir, "results.csv")) as f:
+    table = {r["method"]: r for r in csv.DictReader(f)}
+  assert sorted(table) == ["exgrpo", "grpo"]
+  budget = float(table["grpo"]["budget_tokens"])
+  totals = [compare.load_run(os.path.join(outdir, "runs", n)).total_tokens for n in ("grpo-s0", "exgrpo-s0")]
+  assert budget == min(totals) > 0
+  for name in ("accuracy_vs_budget.png", "exgrpo_buckets.png", "ratio_stats.png", "results.md", "runs.csv"):
+    assert os.path.exists(os.path.join(outdir, name)), name
+  again = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-4000:]
+  assert "training to step" not in again.stdout
