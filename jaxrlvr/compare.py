@@ -261,6 +261,44 @@ def method_config(method: str, *, smoke: bool = False, configs_dir: str = os.pat
       "smoke" if smoke else None)
 
 
+def apply_override(config, override: str) -> None:
+  """`key.sub=value` (as `--config.key.sub=value`) onto a config, the value cast to the type of the current one."""
+  text = override[len("--config."):] if override.startswith("--config.") else override
+  key, sep, value = text.partition("=")
+  *parents, leaf = key.split(".")
+  node = config
+  try:
+    for p in parents:
+      node = node[p]
+    current = node[leaf]
+  except KeyError:
+    raise ValueError(f"--override={override!r}: the config has no key {key!r}") from None
+  if not sep:
+    raise ValueError(f"--override={override!r}: expected key=value")
+  if isinstance(current, bool):
+    if value.lower() not in ("true", "false", "1", "0"):
+      raise ValueError(f"--override={override!r}: {key} is a bool; got {value!r}")
+    node[leaf] = value.lower() in ("true", "1")
+  elif isinstance(current, (int, float, str)):
+    node[leaf] = type(current)(value)
+  else:
+    raise ValueError(f"--override={override!r}: {key} holds a {type(current).__name__}; pass it to the main job")
+
+
+def check_workdir(spec: RunSpec, config) -> None:
+  """Refuses a workdir that holds a run of another config (e.g. an older comparison in the same --outdir): a
+  finished run is skipped without starting the main job, so nothing else would notice."""
+  path = os.path.join(spec.workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  from jaxrlvr import checkpointing  # pylint: disable=g-import-not-at-top  (orbax and jax: only when needed)
+  with open(path, encoding="utf-8") as f:
+    changes = checkpointing.incompatible_changes(json.load(f), config.to_dict())
+  if changes:
+    raise ValueError(f"{spec.workdir} holds a run whose config differs from this comparison's: {'; '.join(changes)}. "
+                     "Use another --outdir, or the same flags and overrides as before.")
+
+
 def finished_step(workdir: str) -> int:
   """The step of the run's latest complete checkpoint (orbax renames a step directory only once it is whole)."""
   directory = os.path.join(workdir, "checkpoints")
@@ -382,6 +420,11 @@ def main(argv) -> int:
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
   specs = [RunSpec(m, s, os.path.join(outdir, "runs", f"{m}-s{s}"), os.path.join(outdir, "logs", f"{m}-s{s}.log"))
            for m in f.methods for s in range(f.seeds)]
+  for spec in specs:
+    config = method_config(spec.method, smoke=f.smoke, configs_dir=f.configs_dir)
+    for override in [f"seed={spec.seed}", *f.override]:
+      apply_override(config, override)
+    check_workdir(spec, config)
   errors = {}
   if not f.summarize_only:
     threads = f.threads_per_run or max(1, (os.cpu_count() or 1) // max(1, f.parallel))

@@ -80,18 +80,24 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
   Returns (tokens [...] int32, logprobs [...] f32, entropies [...] f32) of the distribution actually sampled from;
   temperature 0 is greedy with temperature-1 log-prob and entropy (see the module docstring).
   """
+  return _sample(logits, rng, temperature, top_p, greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0)
+
+
+def _sample(logits: jax.Array, rng: jax.Array, temperature: Any, top_p: Any, *, greedy: bool, top_k: int,
+            nucleus: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`sample_logits` with temperature and top_p possibly traced; which branches exist is static."""
   logits = logits.astype(jnp.float32)
-  if temperature == 0:
+  if greedy:
     logp = jax.nn.log_softmax(logits, axis=-1)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return tokens, _take(logp, tokens), _entropy(logp)
-  scaled = logits / jnp.float32(temperature)
+  scaled = logits / jnp.asarray(temperature, jnp.float32)
   vocab = scaled.shape[-1]
   sorted_desc = None  # the kept logits in descending order, when top-k or top-p needs them
   if 0 < top_k < vocab:
     sorted_desc, _ = jax.lax.top_k(scaled, top_k)  # [..., k]
     scaled = jnp.where(scaled < sorted_desc[..., -1:], -jnp.inf, scaled)
-  if top_p < 1.0:
+  if nucleus:
     if sorted_desc is None:
       sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
     probs = jax.nn.softmax(sorted_desc, axis=-1)
@@ -139,9 +145,9 @@ class _Spec:
   """Everything static about one compiled sampler (with the input shapes, the jit cache key)."""
   graphdef: Any
   max_new_tokens: int
-  temperature: float
+  greedy: bool  # temperature 0
   top_k: int
-  top_p: float
+  nucleus: bool  # top_p < 1 (the values of temperature and top_p are traced: changing them does not recompile)
   return_logits: bool
   mesh: Any
 
@@ -153,6 +159,8 @@ class _LoopState:
   rng: jax.Array  # base key of the whole call
   stop_ids: jax.Array  # [E] int32 stop tokens, -1 for unused slots (traced: a new stop set does not recompile)
   pad_id: jax.Array  # [] int32
+  temperature: jax.Array  # [] f32
+  top_p: jax.Array  # [] f32
   last_token: jax.Array  # [B] int32: the token fed at the next step
   position: jax.Array  # [B] int32: RoPE position of last_token
   done: jax.Array  # [B] bool: the row has produced a stop token
@@ -170,7 +178,8 @@ def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
   step = state.step
   step_key = jax.random.fold_in(state.rng, step)
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(logits.shape[0]))
-  sample = functools.partial(sample_logits, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+  sample = functools.partial(_sample, temperature=state.temperature, top_p=state.top_p, greedy=spec.greedy,
+                             top_k=spec.top_k, nucleus=spec.nucleus)
   tok, logp, ent = jax.vmap(sample)(logits, row_keys)  # [B] each
   active = ~state.done
   tok = jnp.where(active, tok, state.pad_id)
@@ -208,12 +217,14 @@ def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, controls: tuple
   batch, prompt_len = ids.shape
   n = spec.max_new_tokens
   key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)  # [B, S]
-  rng, stop_ids, pad_id = controls
+  rng, stop_ids, pad_id, temperature, top_p = controls
   return _LoopState(
       step=jnp.zeros((), jnp.int32),
       rng=rng,
       stop_ids=stop_ids,
       pad_id=pad_id,
+      temperature=temperature,
+      top_p=top_p,
       last_token=ids[:, -1],
       position=jnp.sum(mask, axis=1).astype(jnp.int32),  # the first generated token sits at position prompt_len
       done=jnp.zeros((batch,), bool),
@@ -333,16 +344,17 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a legacy uint32 key (jax.random.PRNGKey)
     rng = jax.random.wrap_key_data(rng)
   graphdef, params = nnx.split(model)
-  spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-               top_k=int(top_k), top_p=float(top_p), return_logits=bool(return_logits), mesh=mesh)
+  spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), greedy=temperature == 0, top_k=int(top_k),
+               nucleus=top_p < 1.0, return_logits=bool(return_logits), mesh=mesh)
   prefill, decode, uncached = _compiled(spec)
-  stop_ids, pad = _stop_array(eos_ids), np.asarray(pad_id, np.int32)
+  scalars = (_stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
+             np.asarray(top_p, np.float32))
   if mesh is not None:
     ids, mask = _to_global(mesh, ids, P(BATCH_AXES)), _to_global(mesh, mask, P(BATCH_AXES))
     rng = jax.random.wrap_key_data(_to_global(mesh, np.asarray(jax.random.key_data(rng)), P()),
                                    impl=jax.random.key_impl(rng))
-    stop_ids, pad = _to_global(mesh, stop_ids, P()), _to_global(mesh, pad, P())
-  controls = (rng, stop_ids, pad)
+    scalars = tuple(_to_global(mesh, x, P()) for x in scalars)
+  controls = (rng, *scalars)
   if use_cache:
     state = decode(params, prefill(params, ids, mask, controls))
   else:

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxrlvr import models
 from jaxrlvr import step as step_lib
 
-_VERSION = 1
+_VERSION = 2
 
 
 def cache_key(model_config, tokenizer, *, task: str, steps: int, lr: float, batch_size: int, seed: int) -> str:
@@ -59,9 +59,10 @@ def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, prom
 
 def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, seed: int, prompt_len: int,
                      completion_len: int, pad_id: int, batch_sharding=None, log_every: int = 100):
-  """AdamW on the mean negative log-likelihood of the completion tokens; returns the trained model."""
+  """AdamW (linear warm-up, cosine decay to lr/10) on the mean negative log-likelihood of the completion tokens."""
   graphdef, params = nnx.split(model)
-  optimizer = optax.adamw(lr, weight_decay=0.0)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(steps // 10, 1)), max(steps, 2), lr / 10)
+  optimizer = optax.adamw(schedule, weight_decay=0.0)
   opt_state = optimizer.init(params)
 
   def loss_fn(params, batch):

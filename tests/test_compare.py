@@ -196,6 +196,27 @@ def test_train_command_runs_one_device_per_run():
     compare.method_config("no_such_method")
 
 
+def test_overrides_and_the_workdir_config_check(tmp_path):
+  config = compare.method_config("grpo", smoke=True)
+  compare.apply_override(config, "optim.lr=3e-5")
+  compare.apply_override(config, "--config.loss.clip=false")
+  compare.apply_override(config, "seed=2")
+  assert (config.optim.lr, config.loss.clip, config.seed) == (3e-5, False, 2)
+  with pytest.raises(ValueError, match="no key 'optim.nope'"):
+    compare.apply_override(config, "optim.nope=1")
+  spec = compare.RunSpec("grpo", 2, str(tmp_path / "grpo-s2"), str(tmp_path / "log"))
+  compare.check_workdir(spec, config)  # no run there yet
+  os.makedirs(spec.workdir)
+  saved = config.to_dict()
+  saved["total_steps"] = 999  # a change resumption allows (the budget extension makes it)
+  with open(os.path.join(spec.workdir, "config.json"), "w") as f:
+    json.dump(saved, f)
+  compare.check_workdir(spec, config)
+  compare.apply_override(config, "optim.lr=1e-4")
+  with pytest.raises(ValueError, match=r"optim.lr: 3e-05 -> 0.0001"):
+    compare.check_workdir(spec, config)
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_on_smoke_configs(tmp_path):
   """Two methods, one seed, the smoke configs: runs, results, figures; a second invocation trains nothing."""

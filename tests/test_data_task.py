@@ -42,6 +42,17 @@ def test_arithmetic_is_deterministic_graded_and_correct():
   assert widths == {"add2": {(2, 2)}, "add3": {(3, 3)}, "addsub2": {(2, 2, 2)}, "mul1x2": {(1, 2)}}
 
 
+def test_worked_solutions_add_column_by_column():
+  # 47+38: 7+8 = 15 (carry 1), 4+3+1 = 8.  472+389: 2+9 = 11, 7+8+1 = 16, 4+3+1 = 8.  99+1: 10, 10.
+  assert synthetic.column_sums(47, 38) == [15, 8]
+  assert synthetic.column_sums(472, 389) == [11, 16, 8]
+  assert synthetic.column_sums(99, 1) == [10, 10]
+  assert synthetic._render("add2", (47, 38)) == ("47+38", "85", "15,8,\\boxed{85}")
+  assert synthetic._render("addsub2", (47, 38, 21)) == ("47+38-21", "64", "15,8,85-21=\\boxed{64}")
+  # 7*38: 7*8 = 56 (carry 5), 7*3+5 = 26 -> 266.
+  assert synthetic._render("mul1x2", (7, 38)) == ("7*38", "266", "56,26,\\boxed{266}")
+
+
 def test_train_and_test_are_disjoint_for_any_test_size():
   largest_test = ArithmeticSource(split="test", seed=0, size=4 * synthetic.HELD_OUT_PER_LEVEL)
   train = ArithmeticSource(split="train", seed=0)
@@ -72,16 +83,16 @@ def test_embedded_tokenizer(embedded):
     assert tokenizer.decode(prompt_ids + completion_ids) == prompt + completion  # lossless round trip
     longest_prompt = max(longest_prompt, len(prompt_ids))
     longest_completion = max(longest_completion, len(completion_ids))
-  # "Q: 47+38-21\nA: " is 3 + 8 + 1 + 3 = 15; "198-10=\boxed{188}<eos>" is 3+1+2+1+1+3+1+1 = 13.
-  assert (longest_prompt, longest_completion) == (15, 13)
+  # "Q: 47+38-21\nA: " is 3 + 8 + 1 + 3 = 15; "17,18,198-10=\boxed{188}<eos>" is 2+1+2+1+3+1+2+1+1+3+1+1 = 19.
+  assert (longest_prompt, longest_completion) == (15, 19)
   # It is an ordinary Hugging Face tokenizer directory, cached, with no staging directory left behind.
-  path = os.path.join(cache, "tokenizer-v1")
+  path = os.path.join(cache, "tokenizer-v2")
   reloaded = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
   assert reloaded("Q: 1+2\nA: ")["input_ids"] == tokenizer("Q: 1+2\nA: ")["input_ids"]
   stamp = os.path.getmtime(os.path.join(path, "tokenizer.json"))
   load_tokenizer("", cache_dir=cache)
   assert os.path.getmtime(os.path.join(path, "tokenizer.json")) == stamp
-  assert os.listdir(cache) == ["tokenizer-v1"]
+  assert os.listdir(cache) == ["tokenizer-v2"]
 
 
 def _chat_tokenizer(path: str) -> str:

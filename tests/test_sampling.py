@@ -106,12 +106,14 @@ def test_stop_tokens_pad_and_lengths(model):
 
 
 def test_no_recompilation_within_a_bucket(model):
-  """Prompts of lengths 5 and 11 both pad to 16: prefill and decode trace once for both batches."""
+  """Prompts of lengths 5 and 11 both pad to 16: prefill and decode trace once for both batches, also when the
+  temperature, top_p value, stop ids and pad id change (they are traced, not static)."""
   before = dict(sampling.TRACE_COUNTS)
-  kwargs = dict(max_new_tokens=3, temperature=0.0)  # a spec no other test uses, so the first call must trace
-  sampling.generate(model, [[1, 2, 3, 4, 5], [6, 7]], rng=jax.random.key(0), **kwargs)
+  kwargs = dict(max_new_tokens=3, top_k=5)  # a spec no other test uses, so the first call must trace
+  sampling.generate(model, [[1, 2, 3, 4, 5], [6, 7]], rng=jax.random.key(0), temperature=1.0, top_p=0.9, **kwargs)
   after_first = dict(sampling.TRACE_COUNTS)
-  sampling.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), **kwargs)
+  sampling.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), temperature=0.6, top_p=0.5,
+                    eos_ids=(3, 4), pad_id=1, **kwargs)
   after_second = dict(sampling.TRACE_COUNTS)
   for name in ("prefill", "decode"):
     assert after_first[name] - before.get(name, 0) == 1, name
@@ -202,13 +204,13 @@ def test_sharded_generate_equals_single_device(model):
   graphdef, state = nnx.split(model)
   sharded = nnx.merge(graphdef, jax.device_put(state, parallel.param_shardings(state, mesh)))
   prompts = _PROMPTS + [[60, 61, 62]]
-  for temperature in (0.0, 1.0):  # sampling too: row keys make draws independent of the padding rows
-    kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(5), temperature=temperature)
-    single = sampling.generate(model, prompts, **kwargs)
-    multi = sampling.generate(sharded, prompts, mesh=mesh, **kwargs)
-    np.testing.assert_array_equal(multi.tokens, single.tokens)
-    np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
-    np.testing.assert_array_equal(multi.lengths, single.lengths)
+  kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(5), temperature=0.0)
+  single = sampling.generate(model, prompts, **kwargs)
+  multi = sampling.generate(sharded, prompts, mesh=mesh, **kwargs)
+  np.testing.assert_array_equal(multi.tokens, single.tokens)
+  np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
+  np.testing.assert_allclose(multi.entropies, single.entropies, atol=1e-5)
+  np.testing.assert_array_equal(multi.lengths, single.lengths)
 
 
 def _hf_model(kind):

@@ -1,17 +1,20 @@
 """The embedded task: graded arithmetic that a ~1M-parameter model learns on a laptop CPU in minutes.
 
-Four levels, mixed evenly (qid % 4), fixed-width operands, answers in `\\boxed{}`:
+Four levels, mixed evenly (qid % 4), fixed-width operands, answers in `\\boxed{}`. The worked solutions (the warm
+start's targets) add column by column, least significant digit first, writing each column's sum with its carry:
 
-    level    question      solution (the warm start's target)
-    add2     47+38         \\boxed{85}
-    add3     472+389       \\boxed{861}
-    addsub2  47+38-21      85-21=\\boxed{64}        (one worked step; c <= a+b, so answers are >= 0)
-    mul1x2   7*38          \\boxed{266}
+    level    question      solution
+    add2     47+38         15,8,\\boxed{85}              (7+8=15, then 4+3+1=8)
+    add3     472+389       11,16,8,\\boxed{861}
+    addsub2  47+38-21      15,8,85-21=\\boxed{64}        (c <= a+b, so answers are >= 0)
+    mul1x2   7*38          56,26,\\boxed{266}            (7*8=56, then 7*3+5=26)
 
-A prototype on this task (DESIGN.md, "The embedded default") reached 54/28/6/10% greedy accuracy by level after
-the warm start: the levels spread a tiny model over every solve rate, which is what fills ExGRPO's buckets.
-With the embedded tokenizer and the `plain` template a prompt is at most 15 tokens ("Q: 47+38-21\\nA: ") and a
-solution at most 11 including the stop token.
+Why columns: with the answer alone, a 1M-parameter model must learn carries from the most significant digit first;
+on 2 CPU cores it sat near 3-9% greedy accuracy after 1,750 steps of batch 64. With the column sums it reached 25%
+after 500 steps (add2 48%, add3 42%, addsub2 2%, mul1x2 10%), with sampled solve rates spread over every ExGRPO
+bucket: each token is then a small lookup, and what is left to learn (the subtraction, the products, reliability)
+is what RL improves. With the embedded tokenizer and the `plain` template a prompt is at most 15 tokens
+("Q: 47+38-21\\nA: ") and a solution at most 19 including the stop token.
 
 Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_LEVEL` questions of
 each permutation are reserved for the 'test' split whatever its size, so 'train' never contains a test question.
@@ -56,16 +59,30 @@ def _permutation(level: str, seed: int) -> np.ndarray:
   return index
 
 
+def column_sums(a: int, b: int) -> list[int]:
+  """Column sums of a + b, least significant first, each including the carry from the column before."""
+  sums, carry = [], 0
+  while a or b or not sums:
+    total = a % 10 + b % 10 + carry
+    sums.append(total)
+    carry, a, b = total // 10, a // 10, b // 10
+  return sums
+
+
 def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
-  """(question, answer, solution) text for one question."""
+  """(question, answer, worked solution) text for one question."""
   if level in ("add2", "add3"):
     a, b = operands
-    return f"{a}+{b}", str(a + b), f"\\boxed{{{a + b}}}"
+    work = ",".join(str(s) for s in column_sums(a, b))
+    return f"{a}+{b}", str(a + b), f"{work},\\boxed{{{a + b}}}"
   if level == "addsub2":
     a, b, c = operands
-    return f"{a}+{b}-{c}", str(a + b - c), f"{a + b}-{c}=\\boxed{{{a + b - c}}}"
+    work = ",".join(str(s) for s in column_sums(a, b))
+    return f"{a}+{b}-{c}", str(a + b - c), f"{work},{a + b}-{c}=\\boxed{{{a + b - c}}}"
   d, x = operands
-  return f"{d}*{x}", str(d * x), f"\\boxed{{{d * x}}}"
+  low = d * (x % 10)
+  high = d * (x // 10) + low // 10
+  return f"{d}*{x}", str(d * x), f"{low},{high},\\boxed{{{d * x}}}"
 
 
 class ArithmeticSource:

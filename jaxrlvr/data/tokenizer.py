@@ -12,7 +12,7 @@ import tempfile
 
 from jaxrlvr.data.sources import DataError
 
-EMBEDDED_NAME = "tokenizer-v1"  # Bump when the task text or the vocabulary rule changes: caches are by name.
+EMBEDDED_NAME = "tokenizer-v2"  # Bump when the task text or the vocabulary rule changes: caches are by name.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 MERGED_TOKENS = ("\\boxed{",)
 # Reproduces templates.plain_prompt for a user turn; assistant turns end with eos for supervised chat data.
