@@ -25,6 +25,8 @@ setuptools.setup(
         "pyarrow>=15",
         "tensorboardX>=2.6",
         "tqdm",
+        "scipy",  # confidence intervals of jaxrlvr.compare
+        "matplotlib",  # plots of jaxrlvr.compare and the colabs
     ],
     extras_require={
         # torch==2.13.0 is the CPU build on local disk here; tests use it only for parity with transformers.

@@ -1,4 +1,4 @@
-"""Rollout speed: `jaxrlvr.sampling.generate` against transformers' PyTorch `generate` and against itself without a cache.
+"""Rollout speed: `jaxrlvr.sampling.generate` against transformers' PyTorch `generate`, and against itself uncached.
 
   python benchmarks/sampler.py                      # CPU: the tiny (~1M) and a ~12M model, side by side
   python benchmarks/sampler.py --repeats=5 --skip_uncached
@@ -161,7 +161,7 @@ def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
 def gpu_section(args: argparse.Namespace) -> None:
   """qwen2.5-math-1.5b, random bf16 weights: tokens/s and the fraction of memory bandwidth used."""
   devices = jax.devices()
-  if devices[0].platform != "gpu":
+  if devices[0].platform != "gpu" and not args.gpu_section_on_cpu:
     print(f"\nGPU section skipped: no GPU (JAX platform is {devices[0].platform!r}).")
     return
   import jax.numpy as jnp
@@ -169,13 +169,13 @@ def gpu_section(args: argparse.Namespace) -> None:
   from jaxrlvr import parallel
 
   device = devices[0]
-  config = get_preset("qwen2.5-math-1.5b").replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  config = get_preset(args.gpu_preset).replace(param_dtype="bfloat16", compute_dtype="bfloat16")
   mesh = parallel.make_mesh(data=1, devices=[device])
   model = parallel.create_model(config, mesh, seed=0)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   peak = (args.peak_bandwidth_gbs * 1e9 if args.peak_bandwidth_gbs else
           next((v for k, v in PEAK_BANDWIDTH.items() if k in device.device_kind), None))
-  print(f"\nGPU: {device.device_kind}, qwen2.5-math-1.5b random bf16 weights ({param_bytes / 1e9:.2f} GB), "
+  print(f"\nGPU: {device.device_kind}, {args.gpu_preset} random bf16 weights ({param_bytes / 1e9:.2f} GB), "
         f"{args.gpu_prompt_len}-token prompts, {args.gpu_new_tokens} new tokens, temperature 1, no early stop")
   print(f"{'batch':>6} {'tokens/s':>10} {'step ms':>8} {'GB/step':>8} {'TB/s':>6} {'of peak':>8}")
   for batch in args.gpu_batches:
@@ -209,9 +209,12 @@ def main() -> None:
   parser.add_argument("--gpu_prompt_len", type=int, default=256)
   parser.add_argument("--gpu_new_tokens", type=int, default=512)
   parser.add_argument("--peak_bandwidth_gbs", type=float, default=0.0)
+  parser.add_argument("--gpu_preset", default="qwen2.5-math-1.5b")
+  parser.add_argument("--gpu_section_on_cpu", action="store_true",
+                      help="run the GPU section on CPU (a smoke test of its code: --gpu_preset=tiny, small sizes)")
   args = parser.parse_args()
 
-  if jax.devices()[0].platform == "cpu":
+  if jax.devices()[0].platform == "cpu" and not args.gpu_section_on_cpu:
     known = {"tiny": get_preset("tiny"), "12m": MODEL_12M}
     rows = [bench_cpu_model(name, known[name], args) for name in args.models.split(",")]
     print_cpu_table(rows, args)

@@ -108,7 +108,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
 
   if args.model == "tiny":
     # The embedded default: warm-start the tiny model on worked solutions, then RL (DESIGN.md, "The embedded default").
-    c.warm_start.steps = 600
+    c.warm_start.steps = 450
   else:
     _paper_scale(c)
   if args.smoke:

@@ -215,8 +215,9 @@ def write_results(summary: Summary, outdir: str, *, command: str = "", wall_s: f
     lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min (runs already finished are not re-run).", ""]
   lines += [f"Budget: {summary.budget_tokens:,.0f} generated rollout tokens per run. Accuracy is greedy held-out "
             "accuracy at the last evaluation at or below the budget; AUC is the mean accuracy over the budget "
-            "(evaluations joined linearly); step time is the median over the run's steps. Entries are the mean "
-            "± the half-width of the 95% t-interval over seeds (none with one seed).", ""]
+            "(evaluations joined linearly); step time is the median over the run's steps, measured with the runs "
+            "sharing the machine (--parallel), so compare it within this table. Entries are the mean ± the "
+            "half-width of the 95% t-interval over seeds (none with one seed).", ""]
   lines += ["| method | seeds | " + " | ".join(title for _, title, _ in _TABLE) + " |",
             "|---|---|" + "---|" * len(_TABLE)]
   for m in summary.methods:

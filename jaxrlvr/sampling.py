@@ -12,9 +12,11 @@ Conventions the trainer relies on:
   `jaxrlvr.scoring.score` gives for the same sequence; this is our documented choice.
 - After the first stop token a row emits `pad_id` with log-prob and entropy 0; `lengths` count up to and including
   the stop token (max_new_tokens when none was produced).
-- Randomness: the key of row r at step t is fold_in(fold_in(rng, t), r), so a row's samples do not depend on how
-  many padding rows the batch or the mesh added after it (r is the global row: with several processes, process p's
-  rows come after the padded rows of processes < p).
+- Randomness: a token is drawn by inverse-CDF sampling from one uniform number, that of row r at step t coming from
+  the key fold_in(fold_in(rng, t), r); so a row's samples do not depend on how many padding rows the batch or the
+  mesh added after it (r is the global row: with several processes, process p's rows come after the padded rows of
+  processes < p). Only temperature 0, top_k and whether top_p < 1 are compiled in; temperature and top_p values,
+  stop ids (up to 4 without recompiling) and pad_id are traced.
 """
 from __future__ import annotations
 
@@ -80,12 +82,13 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
   Returns (tokens [...] int32, logprobs [...] f32, entropies [...] f32) of the distribution actually sampled from;
   temperature 0 is greedy with temperature-1 log-prob and entropy (see the module docstring).
   """
-  return _sample(logits, rng, temperature, top_p, greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0)
+  uniform = jax.random.uniform(rng, logits.shape[:-1])
+  return _sample(logits, uniform, temperature, top_p, greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0)
 
 
-def _sample(logits: jax.Array, rng: jax.Array, temperature: Any, top_p: Any, *, greedy: bool, top_k: int,
+def _sample(logits: jax.Array, uniform: jax.Array, temperature: Any, top_p: Any, *, greedy: bool, top_k: int,
             nucleus: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`sample_logits` with temperature and top_p possibly traced; which branches exist is static."""
+  """`sample_logits` given the uniform draw [...] of each row; temperature and top_p may be traced."""
   logits = logits.astype(jnp.float32)
   if greedy:
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -106,7 +109,7 @@ def _sample(logits: jax.Array, rng: jax.Array, temperature: Any, top_p: Any, *, 
     threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
   logp = jax.nn.log_softmax(scaled, axis=-1)  # -inf outside the kept set
-  tokens = _inverse_cdf(jnp.exp(logp), jax.random.uniform(rng, logp.shape[:-1]))
+  tokens = _inverse_cdf(jnp.exp(logp), uniform)
   return tokens, _take(logp, tokens), _entropy(logp)
 
 
@@ -156,7 +159,7 @@ class _Spec:
 class _LoopState:
   """The decode carry; donated to the decode call so the cache and outputs are updated in place."""
   step: jax.Array  # [] int32: index of the token sampled next
-  rng: jax.Array  # base key of the whole call
+  uniforms: jax.Array  # [B, N] f32: the draw of row r at step t, from key fold_in(fold_in(rng, t), r)
   stop_ids: jax.Array  # [E] int32 stop tokens, -1 for unused slots (traced: a new stop set does not recompile)
   pad_id: jax.Array  # [] int32
   temperature: jax.Array  # [] f32
@@ -176,11 +179,9 @@ class _LoopState:
 def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
   """Samples step `state.step` from `logits` [B, V] and writes it into the outputs."""
   step = state.step
-  step_key = jax.random.fold_in(state.rng, step)
-  row_keys = jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(logits.shape[0]))
-  sample = functools.partial(_sample, temperature=state.temperature, top_p=state.top_p, greedy=spec.greedy,
-                             top_k=spec.top_k, nucleus=spec.nucleus)
-  tok, logp, ent = jax.vmap(sample)(logits, row_keys)  # [B] each
+  uniform = jax.lax.dynamic_index_in_dim(state.uniforms, step, axis=1, keepdims=False)  # [B]
+  tok, logp, ent = _sample(logits, uniform, state.temperature, state.top_p, greedy=spec.greedy, top_k=spec.top_k,
+                           nucleus=spec.nucleus)  # [B] each
   active = ~state.done
   tok = jnp.where(active, tok, state.pad_id)
   logp = jnp.where(active, logp, 0.0)
@@ -201,6 +202,13 @@ def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
   )
 
 
+def _uniforms(rng: jax.Array, batch: int, steps: int) -> jax.Array:
+  """All the random draws of a call, [B, N], made once before the loop rather than a key split per step."""
+  def draw(step, row):
+    return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(rng, step), row))
+  return jax.vmap(jax.vmap(draw, (None, 0)), (0, None))(jnp.arange(steps), jnp.arange(batch)).T  # [B, N]
+
+
 def _constrain(spec: _Spec, x: jax.Array, tensor_dim: int | None = None) -> jax.Array:
   """Shards dim 0 of `x` over the batch axes (and `tensor_dim` over 'tensor' when it divides); no-op without mesh."""
   if spec.mesh is None:
@@ -212,22 +220,23 @@ def _constrain(spec: _Spec, x: jax.Array, tensor_dim: int | None = None) -> jax.
   return jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, P(*axes)))
 
 
-def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, controls: tuple, cache: Any,
+def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, real: jax.Array, controls: tuple, cache: Any,
                    vocab_size: int) -> _LoopState:
+  """The carry before the first token; rows that only pad the batch (`real` False) start as done."""
   batch, prompt_len = ids.shape
   n = spec.max_new_tokens
   key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)  # [B, S]
   rng, stop_ids, pad_id, temperature, top_p = controls
   return _LoopState(
       step=jnp.zeros((), jnp.int32),
-      rng=rng,
+      uniforms=_constrain(spec, _uniforms(rng, batch, n)),
       stop_ids=stop_ids,
       pad_id=pad_id,
       temperature=temperature,
       top_p=top_p,
       last_token=ids[:, -1],
       position=jnp.sum(mask, axis=1).astype(jnp.int32),  # the first generated token sits at position prompt_len
-      done=jnp.zeros((batch,), bool),
+      done=~real,
       tokens=_constrain(spec, jnp.full((batch, n), pad_id, jnp.int32)),
       logprobs=_constrain(spec, jnp.zeros((batch, n), jnp.float32)),
       entropies=_constrain(spec, jnp.zeros((batch, n), jnp.float32)),
@@ -238,7 +247,8 @@ def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, controls: tuple
   )
 
 
-def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, controls: tuple) -> _LoopState:
+def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: jax.Array,
+             controls: tuple) -> _LoopState:
   """Writes the left-padded prompts [B, P] into a fresh cache of P + N slots and samples the first token."""
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(spec.graphdef, params)
@@ -246,7 +256,7 @@ def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, controls
   cache = model.init_cache(batch, prompt_len + spec.max_new_tokens)
   cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=2), cache)  # [B, S, N_kv, H]
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
-  state = _initial_state(spec, ids, mask, controls, None, _vocab_size(model))
+  state = _initial_state(spec, ids, mask, real, controls, None, _vocab_size(model))
   hidden, cache = model.hidden(ids, positions=positions, attention_mask=state.key_mask, cache=cache,
                                cache_index=jnp.zeros((), jnp.int32))
   logits = model.logits(hidden[:, -1])  # [B, V]; the last slot is a real token for every row (left padding)
@@ -271,7 +281,8 @@ def _decode(spec: _Spec, params: Any, state: _LoopState) -> _LoopState:
   return jax.lax.while_loop(cond, body, state)
 
 
-def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, controls: tuple) -> _LoopState:
+def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: jax.Array,
+                       controls: tuple) -> _LoopState:
   """The same sampler without a KV cache: every step recomputes the whole fixed-size buffer [B, P + N].
 
   The reference for the cache (tests) and the baseline of the benchmark. Slots after the current step hold pad
@@ -281,7 +292,7 @@ def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array
   model = nnx.merge(spec.graphdef, params)
   batch, prompt_len = ids.shape
   buffer = jnp.concatenate([ids, jnp.full((batch, spec.max_new_tokens), controls[2], ids.dtype)], axis=1)  # [B, S]
-  state = _initial_state(spec, ids, mask, controls, _constrain(spec, buffer), _vocab_size(model))
+  state = _initial_state(spec, ids, mask, real, controls, _constrain(spec, buffer), _vocab_size(model))
   positions = jnp.maximum(jnp.cumsum(state.key_mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, S]
 
   def cond(s: _LoopState) -> jax.Array:
@@ -337,7 +348,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   Returns:
     SampleOutput of host numpy arrays with B rows.
   """
-  ids, mask, batch = _pad_prompts(model, prompts, pad_id=pad_id, mesh=mesh, pad_batch_to=pad_batch_to)
+  ids, mask, real, batch = _pad_prompts(model, prompts, pad_id=pad_id, mesh=mesh, pad_batch_to=pad_batch_to)
   _check_sampling_args(max_new_tokens, temperature, top_p, top_k)
   if isinstance(rng, int):
     rng = jax.random.key(rng)
@@ -350,15 +361,15 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   scalars = (_stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
              np.asarray(top_p, np.float32))
   if mesh is not None:
-    ids, mask = _to_global(mesh, ids, P(BATCH_AXES)), _to_global(mesh, mask, P(BATCH_AXES))
+    ids, mask, real = (_to_global(mesh, x, P(BATCH_AXES)) for x in (ids, mask, real))
     rng = jax.random.wrap_key_data(_to_global(mesh, np.asarray(jax.random.key_data(rng)), P()),
                                    impl=jax.random.key_impl(rng))
     scalars = tuple(_to_global(mesh, x, P()) for x in scalars)
   controls = (rng, *scalars)
   if use_cache:
-    state = decode(params, prefill(params, ids, mask, controls))
+    state = decode(params, prefill(params, ids, mask, real, controls))
   else:
-    state = uncached(params, ids, mask, controls)
+    state = uncached(params, ids, mask, real, controls)
   outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
   if jax.process_count() > 1:  # this process's rows only
     outputs = jax.tree.map(_local_rows, outputs)
@@ -368,10 +379,11 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
 
 
 def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, mesh: Any,
-                 pad_batch_to: int) -> tuple[np.ndarray, np.ndarray, int]:
+                 pad_batch_to: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
   """Left-pads ragged prompts to [B', bucket] ids and mask; B' is B rounded up to the batch shards and pad_batch_to.
 
-  Padding rows hold a single real pad token so no row is fully masked.
+  Returns (ids, mask, real [B'] bool, B). Padding rows hold a single real pad token so no row is fully masked, and
+  start as done (`real` False) so that they never keep the decode loop running.
   """
   batch = len(prompts)
   if batch == 0:
@@ -398,11 +410,12 @@ def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, m
     ids[row, width - len(prompt):] = np.asarray(prompt, np.int32)
     mask[row, width - len(prompt):] = 1
   mask[batch:, -1] = 1
+  real = np.arange(padded_batch) < batch
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
   if vocab is not None and (ids.max() >= vocab or ids.min() < 0):
     raise ValueError(f"sampling.py: prompt token ids must lie in [0, vocab_size={vocab}); got min {ids.min()}, "
                      f"max {ids.max()} (pad_id={pad_id})")
-  return ids, mask, batch
+  return ids, mask, real, batch
 
 
 def _stop_array(eos_ids: Sequence[int]) -> np.ndarray:

@@ -33,6 +33,10 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
   Pure and differentiable w.r.t. the model's parameters; call it inside your own jit (see `score_jit` for a jitted
   wrapper). `attention_mask` [B, T] marks real tokens (left padding before the prompt, right padding after the
   answer); RoPE positions default to the model's cumsum(mask) - 1, which is what the sampler uses.
+
+  Under a mesh the batch stays sharded over ('data', 'fsdp') through the chunks. When the vocabulary is sharded
+  over 'tensor', slicing it into chunks makes XLA gather the unembedding; there each device already holds only
+  V / tensor columns, so pass vocab_chunk_size >= vocab_size (one chunk, no slicing) unless memory says otherwise.
   """
   if temperature <= 0:
     raise ValueError(f"scoring.py: temperature={temperature} must be > 0 (score greedy rollouts at temperature 1)")
@@ -102,7 +106,7 @@ def _chunk_logprobs(inputs: tuple[jax.Array, jax.Array], *, unembedding: jax.Arr
   log Z = m + log s, and the entropy H = log Z - E[l] = log s - u / s.
   """
   hidden, targets = inputs
-  width, vocab = unembedding.shape
+  vocab = unembedding.shape[1]
   num_chunks, chunk = _vocab_chunks(vocab, vocab_chunk_size)
   hidden = hidden.astype(unembedding.dtype)
   inv_t = jnp.float32(1.0 / temperature)
@@ -129,8 +133,8 @@ def _chunk_logprobs(inputs: tuple[jax.Array, jax.Array], *, unembedding: jax.Arr
 
   shape = targets.shape
   # m starts at the most negative finite float, not -inf: s (m - m') must be 0, not 0 * inf = NaN (also in grads).
-  init = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
-          jnp.zeros(shape, jnp.float32))
+  zeros = jnp.zeros(shape, jnp.float32)
+  init = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32), zeros, zeros, zeros)
   if num_chunks == 1:
     (m, s, u, target_logit), _ = step(init, jnp.zeros((), jnp.int32))
   else:
@@ -149,7 +153,8 @@ def _jitted_score(graphdef: Any, chunk_size: int, vocab_chunk_size: int, tempera
 
 
 def score_jit(model: nnx.Module, input_ids: Any, attention_mask: Any, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-              vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+              vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+              temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Jitted `score` for host callers (ExGRPO's answer selection, evaluation): one compile per shape and setting.
 
   Inputs may be numpy; under a mesh, put them on the batch sharding first (`jaxrlvr.parallel.batch_sharding`).

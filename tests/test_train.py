@@ -47,7 +47,7 @@ def _by_step(workdir):
   return rows
 
 
-@pytest.mark.parametrize("method", ["grpo", "advantage_priority", "bapo"])
+@pytest.mark.parametrize("method", ["grpo", "advantage_priority", "bapo", "exprl"])
 def test_smoke_runs_every_method(method, tmp_path, warm_cache):
   workdir = str(tmp_path / method)
   _run(method, workdir, warm_cache)
@@ -58,7 +58,11 @@ def test_smoke_runs_every_method(method, tmp_path, warm_cache):
     assert key in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1], key
   assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[4]
   with open(os.path.join(workdir, "config.json")) as f:
-    assert json.load(f)["replay"]["name"] == ("none" if method == "grpo" else method)
+    assert json.load(f)["replay"]["name"] == ("none" if method in ("grpo", "exprl") else method)
+  if method == "exprl":  # the judge ran on every finished rollout (the tiny policy as judge cannot parse: removed)
+    last = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
+    assert last["judge/requests"] + last["judge/clipped_rollouts"] > 0
+    assert last["judge/removed_rollouts"] == last["judge/parse_failures"] + last["judge/request_failures"]
   assert any(name.startswith("events") for name in os.listdir(os.path.join(workdir, "tensorboard")))
   # Started again on a finished workdir, the job says so and exits 0.
   again = _run(method, workdir, warm_cache)
