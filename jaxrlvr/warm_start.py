@@ -25,10 +25,14 @@ from jaxrlvr import step as step_lib
 _VERSION = 2
 
 
-def cache_key(model_config, tokenizer, *, task: str, steps: int, lr: float, batch_size: int, seed: int) -> str:
+def cache_key(model_config, tokenizer, pairs, *, task: str, steps: int, lr: float, batch_size: int,
+              seed: int) -> str:
+  """A hash of everything the warm-started weights depend on; the first pairs stand for the task's text format."""
   vocab = sorted(tokenizer.get_vocab().items())
+  sample = [(list(map(int, p)), list(map(int, c))) for p, c in pairs[:64]]
   blob = json.dumps({"version": _VERSION, "model": repr(model_config), "vocab": vocab, "task": task, "steps": steps,
-                     "lr": lr, "batch_size": batch_size, "seed": seed}, sort_keys=True)
+                     "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": sample, "num_pairs": len(pairs)},
+                    sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -94,7 +98,7 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
                       seed: int, prompt_len: int, completion_len: int, cache_dir: str, mesh=None,
                       batch_sharding=None):
   """The warm-started model, trained once and then loaded from `cache_dir/<key>` (an HF checkpoint directory)."""
-  key = cache_key(model_config, tokenizer, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+  key = cache_key(model_config, tokenizer, pairs, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
   path = os.path.join(cache_dir or default_cache_dir(), key)
   if not os.path.exists(os.path.join(path, "config.json")):
     logging.info("warm start: training %d supervised steps (cache %s)", steps, path)

@@ -16,9 +16,9 @@ _TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="session")
-def warm_cache(tmp_path_factory):
-  """One warm-start cache for every smoke run of the session (the cache key is the same for all methods)."""
-  return str(tmp_path_factory.mktemp("warm_start"))
+def warm_cache():
+  """The session's shared warm-start cache (tests/conftest.py): the cache key is the same for every method."""
+  return os.environ["JAXRLVR_WARM_START_CACHE"]
 
 
 def _command(method: str, workdir: str, cache: str, *extra: str) -> list[str]:
