@@ -52,8 +52,9 @@ def _by_method(runs) -> dict:
   return out
 
 
-def _band(ax, grid: np.ndarray, curves: np.ndarray, color: str, label: str) -> None:
-  """Mean line and CI band over runs; columns where a run has no value (NaN) use the runs that do."""
+def _band(ax, grid: np.ndarray, curves: np.ndarray, color: str, label: str, bounds=None) -> None:
+  """Mean line and CI band over runs; columns where a run has no value (NaN) use the runs that do. `bounds` (lo, hi)
+  clips the band to the metric's range (a t-interval over 3 seeds can reach past a rate's [0, 1])."""
   keep = ~np.all(np.isnan(curves), axis=0)
   if not keep.any():
     return
@@ -66,7 +67,8 @@ def _band(ax, grid: np.ndarray, curves: np.ndarray, color: str, label: str) -> N
   n = len(curves)
   ax.plot(grid, mean, color=color, label=f"{label} (n={n})", lw=1.8)
   if not np.all(np.isnan(half)):
-    ax.fill_between(grid, mean - half, mean + half, color=color, alpha=0.2, lw=0)
+    lo, hi = (-np.inf, np.inf) if bounds is None else bounds
+    ax.fill_between(grid, np.clip(mean - half, lo, hi), np.clip(mean + half, lo, hi), color=color, alpha=0.2, lw=0)
 
 
 def _interp(grid: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -107,15 +109,17 @@ def accuracy_vs_budget(runs, budget: float, path: str) -> str:
       keep = x <= budget
       curves.append(np.interp(grid, x[keep], y[keep]))
       ax.plot(x[keep], y[keep], ".", color=_color(method, groups), alpha=0.35, ms=4)
-    _band(ax, grid, np.asarray(curves), _color(method, groups), method)
+    _band(ax, grid, np.asarray(curves), _color(method, groups), method, bounds=(0, 1))
+  ax.set_ylim(0, 1)
   return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel="held-out accuracy (greedy)",
-                 title="Held-out accuracy vs rollout budget (mean ± 95% CI over seeds; dots: evaluations)")
+                 title="Held-out accuracy vs rollout budget\n(mean ± 95% CI over seeds; dots: single evaluations)")
 
 
 def metric_vs_budget(runs, key: str, budget: float, path: str, *, ylabel: str, title: str, window: int = 10,
-                     valid_key: str | None = None) -> str | None:
-  """A per-step metric against tokens; steps where `valid_key` is 0 (e.g. no replayed tokens) are left out.
-  Returns None (and writes nothing) when no run logs the metric."""
+                     valid_key: str | None = None, bounds=None) -> str | None:
+  """A per-step metric against tokens; steps where `valid_key` is 0 (e.g. no replayed tokens) are left out;
+  `bounds` (lo, hi): the metric's range, for the axis and the bands. Returns None (writing nothing) when no run
+  logs the metric."""
   grid = np.linspace(0, budget, _GRID)
   groups = _by_method(runs)
   curves = {}
@@ -136,7 +140,9 @@ def metric_vs_budget(runs, key: str, budget: float, path: str, *, ylabel: str, t
   fig = Figure(figsize=(7, 4.5))
   ax = fig.subplots()
   for method, rows in curves.items():
-    _band(ax, grid, rows, _color(method, groups), method)
+    _band(ax, grid, rows, _color(method, groups), method, bounds=bounds)
+  if bounds is not None:
+    ax.set_ylim(*bounds)
   return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel=ylabel,
                  title=f"{title} ({window}-step moving average)" if window > 1 else title)
 
@@ -195,11 +201,7 @@ def ratio_stats(runs, budget: float, path: str, *, window: int = 10) -> str:
       axes[row, 1].plot(grid, curves["min"], color=color, ls="--", label=f"{method} min")
     axes[row, 0].set_ylabel(f"{kind} tokens: ratio mean ± std")
     axes[row, 1].set_ylabel(f"{kind} tokens: ratio max / min")
-    axes[row, 1].set_yscale("log")
-    for ax in axes[row]:
-      ax.grid(alpha=0.3)
-      if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+    _ratio_axes(*axes[row], empty=f"no {kind} tokens in these runs")
   axes[0, 0].set_title("w = pi / pi_old (fresh), w* = pi / pi_recorded (replayed)")
   axes[0, 1].set_title("extremes of the ratio per step")
   for ax in axes[1]:
@@ -210,6 +212,26 @@ def ratio_stats(runs, budget: float, path: str, *, window: int = 10) -> str:
   return path
 
 
+def _ratio_axes(linear, log, *, empty: str) -> None:
+  """Readable ratio axes: at least [0.95, 1.05] and [0.5, 2], so float noise around w = 1 (one optimizer step per RL
+  step makes every fresh ratio 1) reads as a flat line at 1 rather than as a magnified offset axis."""
+  for ax in (linear, log):
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+    else:
+      ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", color="gray")
+  lo, hi = linear.get_ylim()
+  linear.set_ylim(min(lo, 0.95), max(hi, 1.05))
+  linear.ticklabel_format(axis="y", useOffset=False)
+  log.set_yscale("log")
+  lo, hi = log.get_ylim()
+  log.set_ylim(min(lo, 0.5), max(hi, 2.0))
+  log.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+  log.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+  log.yaxis.set_minor_formatter(ticker.NullFormatter())
+
+
 def write_all(runs, budget: float, outdir: str) -> list[str]:
   """Every figure of the comparison into `outdir`; returns the paths written (a figure with no data is skipped)."""
   os.makedirs(outdir, exist_ok=True)
@@ -217,12 +239,14 @@ def write_all(runs, budget: float, outdir: str) -> list[str]:
   paths = [
       accuracy_vs_budget(runs, budget, out(outdir, "accuracy_vs_budget.png")),
       metric_vs_budget(runs, "rollout/solve_rate", budget, out(outdir, "solve_rate.png"),
-                       ylabel="batch solve rate (correct / sampled rollouts)", title="Batch solve rate"),
+                       ylabel="batch solve rate (correct / sampled rollouts)", title="Batch solve rate",
+                       bounds=(0, 1)),
       metric_vs_budget(runs, "rollout/response_length", budget, out(outdir, "response_length.png"),
                        ylabel="mean sampled response length (tokens)", title="Response length"),
       bucket_heatmap(runs, out(outdir, "exgrpo_buckets.png")),
       metric_vs_budget(runs, "replay/replayed_share", budget, out(outdir, "replayed_share.png"),
-                       ylabel="replayed rollouts / rollouts in the batch", title="Replayed share of each batch"),
+                       ylabel="replayed rollouts / rollouts in the batch", title="Replayed share of each batch",
+                       bounds=(0, 1)),
       ratio_stats(runs, budget, out(outdir, "ratio_stats.png")),
   ]
   return [p for p in paths if p is not None]

@@ -16,6 +16,7 @@ R is fixed per run (filler rows pad it), so the update compiles once.
 from collections.abc import Callable, Sequence
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxrlvr import data as data_lib
@@ -71,7 +72,6 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
 
   Returns one Group per request, in order, and host-side info (tokens sampled, reward counters).
   """
-  import jax  # pylint: disable=g-import-not-at-top  (keeps `rollout` importable for host-only tools)
   groups: list[replay.Group | None] = [None] * len(requests)
   info = {"rollout/sampled_tokens": 0.0, "reward/timeouts": 0.0, "reward/crashes": 0.0}
   for delay in sorted({r.policy_delay for r in requests}):
