@@ -222,7 +222,7 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   """Two methods, one seed, the smoke configs: runs, results, figures; a second invocation trains nothing."""
   outdir = str(tmp_path / "compare")
   cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--seeds=1", "--methods=grpo,exgrpo",
-         f"--outdir={outdir}", f"--warm_start_cache={tmp_path / 'warm_start'}", "--parallel=2"]
+         f"--outdir={outdir}", f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2"]
   first = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0, first.stderr[-4000:]
   assert "compare: grpo-s0: training to step 4" in first.stdout

@@ -37,11 +37,10 @@ def _outputs(nb, kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _NOTEBOOKS)
 def test_runs_top_to_bottom(name, tmp_path, monkeypatch):
-  # The kernel inherits this environment: one CPU device as on a Colab CPU runtime, and temporary files (the run's
-  # workdir, the warm-start cache) under tmp_path.
+  # The kernel inherits this environment: one CPU device as on a Colab CPU runtime, the run's workdir under
+  # tmp_path, and the session's shared warm-start cache (JAXRLVR_WARM_START_CACHE, set by conftest.py).
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
   monkeypatch.setenv("TMPDIR", str(tmp_path))
-  monkeypatch.setenv("JAXRLVR_WARM_START_CACHE", str(tmp_path / "warm_start"))
   nb = _read(name)
   NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": _COLABS}}).execute()
   assert not _outputs(nb, "error")
