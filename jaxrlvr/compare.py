@@ -308,14 +308,15 @@ def finished_step(workdir: str) -> int:
 
 
 def run_env(threads: int) -> dict:
-  """One CPU device and `threads` threads per run, so parallel runs do not fight over the cores."""
+  """One CPU device and `threads` threads per run, so parallel runs do not fight over the cores; on a GPU, memory
+  allocated as needed rather than 75% of it up front by each run, so that several small runs fit on one card."""
   env = dict(os.environ)
   xla = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
   xla.append("--xla_force_host_platform_device_count=1")
   if threads == 1:
     xla += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
   env["XLA_FLAGS"] = " ".join(xla)
-  env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu") or "cpu"
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
     env[var] = str(threads)
   env["PYTHONUNBUFFERED"] = "1"
