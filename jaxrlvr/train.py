@@ -44,7 +44,9 @@ def batch_rows(config: ml_collections.ConfigDict, batch_shards: int) -> int:
 def build_policy(config, mesh, book: rollout.PromptBook):
   """The policy to start RL from: an HF checkpoint, or a preset initialised at random (+ the embedded warm start)."""
   if config.model.path:
-    return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh)
+    return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype),
+                                  compute_dtype=config.model.compute_dtype, mesh=mesh, remat=config.model.remat,
+                                  attention=config.model.attention)
   model_config = models.get_preset(config.model.preset)
   model_config = dataclasses.replace(model_config, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
                                       remat=config.model.remat, attention=config.model.attention)
