@@ -150,14 +150,24 @@ def area_under_curve(tokens: np.ndarray, accuracy: np.ndarray, budget: float) ->
 @dataclasses.dataclass
 class Summary:
   budget_tokens: float
+  baseline: str  # the method the paired differences are taken against
   methods: list[dict]  # one row per method: means and 95% CI half-widths over seeds
   runs: list[dict]  # one row per run
 
 
-def summarize(runs: Sequence[RunData], *, budget_tokens: float | None = None) -> Summary:
-  """The results table. Budget: `budget_tokens`, or the smallest total any run generated (module docstring)."""
+def summarize(runs: Sequence[RunData], *, budget_tokens: float | None = None, baseline: str | None = None) -> Summary:
+  """The results table. Budget: `budget_tokens`, or the smallest total any run generated (module docstring).
+
+  Besides each metric's mean over seeds, the table has paired differences: a run's gain over its own step-0
+  accuracy, and its accuracy and AUC minus those of the `baseline` method's run with the same seed (default: the
+  first method). A seed fixes the warm start and the held-out questions, which move accuracy by more than the
+  methods do, so differences within a seed have much narrower intervals than the means across seeds.
+  """
   if not runs:
     raise ValueError("summarize: no runs")
+  baseline = runs[0].method if baseline is None else baseline
+  if baseline not in {r.method for r in runs}:
+    raise ValueError(f"summarize: baseline method {baseline!r} has no runs; methods: {sorted({r.method for r in runs})}")
   budget = min(r.total_tokens for r in runs) if budget_tokens is None else float(budget_tokens)
   short = [f"{r.name} ({r.total_tokens:.0f})" for r in runs if r.total_tokens < budget]
   if short:
@@ -178,24 +188,36 @@ def summarize(runs: Sequence[RunData], *, budget_tokens: float | None = None) ->
         "tokens_per_step": float(r.tokens[int(steps[within][-1])] / steps[within][-1]) if within.any() else 0.0,
         "total_steps": int(max(r.rows)), "total_tokens": r.total_tokens,
     })
+  base = {r["seed"]: r for r in per_run if r["method"] == baseline}
+  for r in per_run:
+    b = base.get(r["seed"])
+    r["accuracy_gain"] = r["final_accuracy"] - r["initial_accuracy"]
+    r["accuracy_vs_baseline"] = r["final_accuracy"] - b["final_accuracy"] if b else float("nan")
+    r["auc_vs_baseline"] = r["auc"] - b["auc"] if b else float("nan")
   methods = []
   for method in dict.fromkeys(r["method"] for r in per_run):
     rows = [r for r in per_run if r["method"] == method]
     row = {"method": method, "seeds": len(rows), "budget_tokens": budget}
-    for key in ("initial_accuracy", "final_accuracy", "auc", "step_time_s", "steps_at_budget", "tokens_per_step"):
+    for key in _STATS:
       mean, half = confidence_interval([r[key] for r in rows])
       row[f"{key}_mean"], row[f"{key}_ci95"] = float(mean), float(half)
     methods.append(row)
-  return Summary(budget_tokens=budget, methods=methods, runs=per_run)
+  return Summary(budget_tokens=budget, baseline=baseline, methods=methods, runs=per_run)
 
 
 # ------------------------------------------------------------------------------------------------ Writing results
-_TABLE = (("final_accuracy", "held-out accuracy at budget", 3), ("auc", "AUC (normalised)", 3),
-          ("initial_accuracy", "accuracy at step 0", 3), ("step_time_s", "step time (s)", 2),
-          ("steps_at_budget", "steps to budget", 0), ("tokens_per_step", "tokens / step", 0))
+# (key, column title, digits); "{b}" is the baseline method.
+_TABLE = (("final_accuracy", "held-out accuracy at budget", 3), ("accuracy_gain", "gain over step 0", 3),
+          ("accuracy_vs_baseline", "accuracy - {b}", 3), ("auc", "AUC (normalised)", 3),
+          ("auc_vs_baseline", "AUC - {b}", 3), ("initial_accuracy", "accuracy at step 0", 3),
+          ("step_time_s", "step time (s)", 2), ("steps_at_budget", "steps to budget", 0),
+          ("tokens_per_step", "tokens / step", 0))
+_STATS = tuple(key for key, _, _ in _TABLE)
 
 
 def _pm(mean: float, half: float, digits: int) -> str:
+  if np.isnan(mean):
+    return "n/a"
   return f"{mean:.{digits}f}" if np.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
@@ -218,16 +240,22 @@ def write_results(summary: Summary, outdir: str, *, command: str = "", wall_s: f
             "(evaluations joined linearly); step time is the median over the run's steps, measured with the runs "
             "sharing the machine (--parallel), so compare it within this table. Entries are the mean ± the "
             "half-width of the 95% t-interval over seeds (none with one seed).", ""]
-  lines += ["| method | seeds | " + " | ".join(title for _, title, _ in _TABLE) + " |",
+  lines += [f"Paired columns: the gain is each run's accuracy at the budget minus its own accuracy at step 0; "
+            f"`- {summary.baseline}` is the difference to the {summary.baseline} run of the same seed (same warm start, "
+            "same held-out questions), then averaged over seeds.", ""]
+  lines += ["| method | seeds | " + " | ".join(t.format(b=summary.baseline) for _, t, _ in _TABLE) + " |",
             "|---|---|" + "---|" * len(_TABLE)]
   for m in summary.methods:
-    cells = [_pm(m[f"{k}_mean"], m[f"{k}_ci95"], d) for k, _, d in _TABLE]
+    cells = ["baseline" if "vs_baseline" in k and m["method"] == summary.baseline else
+             _pm(m[f"{k}_mean"], m[f"{k}_ci95"], d) for k, _, d in _TABLE]
     lines.append(f"| {m['method']} | {m['seeds']} | " + " | ".join(cells) + " |")
-  lines += ["", "## Runs", "", "| run | accuracy at step 0 | accuracy at budget | AUC | step time (s) | "
-            "steps to budget | steps run | tokens generated |", "|---|---|---|---|---|---|---|---|"]
+  lines += ["", "## Runs", "", f"| run | accuracy at step 0 | accuracy at budget | gain | accuracy - {summary.baseline} "
+            "| AUC | step time (s) | steps to budget | steps run | tokens generated |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in summary.runs:
-    lines.append(f"| {r['run']} | {r['initial_accuracy']:.3f} | {r['final_accuracy']:.3f} | {r['auc']:.3f} | "
-                 f"{r['step_time_s']:.2f} | {r['steps_at_budget']} | {r['total_steps']} | {r['total_tokens']:,.0f} |")
+    lines.append(f"| {r['run']} | {r['initial_accuracy']:.3f} | {r['final_accuracy']:.3f} | {r['accuracy_gain']:+.3f} | "
+                 f"{r['accuracy_vs_baseline']:+.3f} | {r['auc']:.3f} | {r['step_time_s']:.2f} | "
+                 f"{r['steps_at_budget']} | {r['total_steps']} | {r['total_tokens']:,.0f} |")
   if missing:
     lines += ["", f"Not included (no finished metrics): {', '.join(missing)}."]
   if plots:
@@ -422,13 +450,13 @@ def main(argv) -> int:
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
   specs = [RunSpec(m, s, os.path.join(outdir, "runs", f"{m}-s{s}"), os.path.join(outdir, "logs", f"{m}-s{s}.log"))
            for m in f.methods for s in range(f.seeds)]
-  for spec in specs:
-    config = method_config(spec.method, smoke=f.smoke, configs_dir=f.configs_dir)
-    for override in [f"seed={spec.seed}", *f.override]:
-      apply_override(config, override)
-    check_workdir(spec, config)
   errors = {}
   if not f.summarize_only:
+    for spec in specs:
+      config = method_config(spec.method, smoke=f.smoke, configs_dir=f.configs_dir)
+      for override in [f"seed={spec.seed}", *f.override]:
+        apply_override(config, override)
+      check_workdir(spec, config)
     threads = f.threads_per_run or max(1, (os.cpu_count() or 1) // max(1, f.parallel))
     launch = subprocess_launcher(eval_every=eval_every, smoke=f.smoke, cache_dir=f.warm_start_cache,
                                  threads=threads, overrides=f.override, configs_dir=f.configs_dir)
@@ -441,7 +469,7 @@ def main(argv) -> int:
   missing = [s.name for s in specs if s.name not in {r.name for r in runs}]
   if not runs:
     raise RuntimeError(f"compare: no run in {outdir}/runs has metrics; failed: {sorted(errors)}")
-  summary = summarize(runs, budget_tokens=f.budget_tokens)
+  summary = summarize(runs, budget_tokens=f.budget_tokens, baseline=f.baseline or None)
   figures = plots.write_all(runs, summary.budget_tokens, outdir)
   command = "python -m jaxrlvr.compare " + " ".join(a for a in sys.argv[1:])
   write_results(summary, outdir, command=command, wall_s=time.time() - started,
@@ -466,7 +494,9 @@ def _define_flags() -> None:
   flags.DEFINE_string("warm_start_cache", "", "Warm-start cache shared by the runs (default: the config's).")
   flags.DEFINE_multi_string("override", [], "Extra config override for every run, e.g. --override=optim.lr=3e-5.")
   flags.DEFINE_string("configs_dir", os.path.join(REPO_ROOT, "configs"), "Where the method configs are.")
-  flags.DEFINE_bool("summarize_only", False, "Skip training: summarise and plot what DIR/runs holds.")
+  flags.DEFINE_bool("summarize_only", False, "Skip training (and the check that DIR/runs holds runs of this config): "
+                    "summarise and plot what DIR/runs holds.")
+  flags.DEFINE_string("baseline", "", "Method the paired differences are taken against (default: the first).")
   flags.mark_flag_as_required("outdir")
 
 

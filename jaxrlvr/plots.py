@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from jaxrlvr import compare
 
 _GRID = 101  # points of the common budget axis every run is interpolated onto
-_COLORS = {"grpo": "tab:gray", "exgrpo": "tab:red", "advantage_priority": "tab:blue", "bapo": "tab:green",
+_COLORS = {"grpo": "black", "exgrpo": "tab:red", "advantage_priority": "tab:blue", "bapo": "tab:green",
            "exprl": "tab:purple"}
 
 
@@ -65,10 +65,11 @@ def _band(ax, grid: np.ndarray, curves: np.ndarray, color: str, label: str, boun
   else:
     mean, half = compare.confidence_interval(curves)
   n = len(curves)
-  ax.plot(grid, mean, color=color, label=f"{label} (n={n})", lw=1.8)
+  ax.plot(grid, mean, color=color, label=f"{label} (n={n})", lw=1.6, zorder=3)  # lines above every band
   if not np.all(np.isnan(half)):
     lo, hi = (-np.inf, np.inf) if bounds is None else bounds
-    ax.fill_between(grid, np.clip(mean - half, lo, hi), np.clip(mean + half, lo, hi), color=color, alpha=0.2, lw=0)
+    ax.fill_between(grid, np.clip(mean - half, lo, hi), np.clip(mean + half, lo, hi), color=color, alpha=0.15, lw=0,
+                    zorder=1)
 
 
 def _interp(grid: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:

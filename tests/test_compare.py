@@ -113,6 +113,17 @@ def test_summarize_cuts_every_curve_at_the_common_budget(tmp_path):
   assert methods["grpo"]["step_time_s_mean"] == pytest.approx(2.0)  # medians 1 and 3
   assert methods["exgrpo"]["seeds"] == 2 and methods["exgrpo"]["final_accuracy_mean"] == pytest.approx(0.7)
   assert methods["exgrpo"]["tokens_per_step_mean"] == pytest.approx(80.0)
+  # Paired by seed against grpo (the first method): accuracy 0.6 - 0.4 and 0.8 - 0.6 -> +0.2 with no spread.
+  assert methods["exgrpo"]["accuracy_vs_baseline_mean"] == pytest.approx(0.2)
+  assert methods["exgrpo"]["accuracy_vs_baseline_ci95"] == pytest.approx(0.0, abs=1e-9)
+  # AUC: exgrpo-s1 is (48 + 72 + 80 x (0.5 + 0.8) / 2) / 400 = 172 / 400 = 0.43, so the differences are
+  # 0.41 - 0.30 = 0.11 and 0.43 - 0.45 = -0.02 -> mean 0.045.
+  assert methods["exgrpo"]["auc_vs_baseline_mean"] == pytest.approx(0.045)
+  # Gain over step 0: grpo 0.4 - 0.2 and 0.6 - 0.2 -> mean 0.3.
+  assert methods["grpo"]["accuracy_gain_mean"] == pytest.approx(0.3)
+  assert compare.summarize(runs, baseline="exgrpo").methods[0]["accuracy_vs_baseline_mean"] == pytest.approx(-0.2)
+  with pytest.raises(ValueError, match="baseline method 'bapo'"):
+    compare.summarize(runs, baseline="bapo")
   # An explicit budget that a run did not reach is an error, not a silently shorter curve.
   with pytest.raises(ValueError, match="exgrpo-s0 \\(400\\)"):
     compare.summarize(runs, budget_tokens=450)
@@ -138,7 +149,7 @@ def test_results_files_and_figures(tmp_path):
       [r["auc"] for r in summary.runs if r["method"] == "exgrpo"])))
   with open(os.path.join(out, "results.md")) as f:
     text = f.read()
-  assert "| grpo | 2 | 0.500 ± 1.271 |" in text
+  assert "| grpo | 2 | 0.500 ± 1.271 | 0.300 ± 1.271 | baseline |" in text  # accuracy, gain, vs itself
   assert "![accuracy_vs_budget](accuracy_vs_budget.png)" in text and "bapo-s0" in text
   # Without ExGRPO runs there is no bucket heatmap, and the other figures are still drawn.
   assert plots.bucket_heatmap(runs[:2], str(tmp_path / "none.png")) is None
