@@ -172,7 +172,7 @@ class _LoopState:
   entropies: jax.Array  # [B, N] f32
   lengths: jax.Array  # [B] int32
   logits: Any  # [B, N, V] f32 when return_logits, else None
-  cache: Any  # per layer {'k', 'v': [B, S, N_kv, H]}, or the token buffer [B, S] without a cache
+  cache: Any  # per layer {'k', 'v': [B, N_kv, S, H]}, or the token buffer [B, S] without a cache
   key_mask: jax.Array  # [B, S] 1 for real prompt tokens and every generated slot
 
 
@@ -254,7 +254,7 @@ def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: ja
   model = nnx.merge(spec.graphdef, params)
   batch, prompt_len = ids.shape
   cache = model.init_cache(batch, prompt_len + spec.max_new_tokens)
-  cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=2), cache)  # [B, S, N_kv, H]
+  cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=1), cache)  # [B, N_kv, S, H]
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
   state = _initial_state(spec, ids, mask, real, controls, None, _vocab_size(model))
   hidden, cache = model.hidden(ids, positions=positions, attention_mask=state.key_mask, cache=cache,

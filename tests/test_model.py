@@ -49,7 +49,7 @@ def test_cached_prefill_and_decode_match_uncached_forward(config):
     hidden, cache = step(model, ids[:, index:index + 1], full_mask.at[:, index + 1:].set(0), cache, jnp.int32(index))
     got.append(model.logits(hidden))
   got = jnp.concatenate(got, axis=1)
-  assert len(cache) == config.num_layers and cache[0]["k"].shape == (b, slots, 2, 8)
+  assert len(cache) == config.num_layers and cache[0]["k"].shape == (b, 2, slots, 8)  # [B, K, S, H]
   real = np.asarray(mask, bool)
   np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=1e-5, rtol=1e-5)
 
@@ -117,12 +117,13 @@ def test_attention_layout_matches_jax_dot_product_attention():
   k = jax.random.normal(kk, (2, 7, 2, 8))  # [B, S, K, H]
   v = jax.random.normal(kv, (2, 7, 2, 8))
   mask = transformer_lib.attention_weights_mask(jnp.arange(5) + 2, jnp.array([[1] * 7, [0, 0, 0, 0, 0, 1, 1]]))
-  ours = transformer_lib.dot_product_attention(q, k, v, mask, implementation="xla")
+  # Ours takes keys and values heads-first, the KV cache's layout: [B, K, S, H].
+  ours = transformer_lib.dot_product_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, implementation="xla")
   reference = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=8 ** -0.5, implementation="xla")
   np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), atol=1e-6)
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="attention='cudnn' needs a GPU backend"):
-      transformer_lib.dot_product_attention(q, k, v, mask, implementation="cudnn")
+      transformer_lib.dot_product_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, implementation="cudnn")
 
 
 def _count(config: ModelConfig) -> int:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxrlvr.models.config import ModelConfig
 
-Cache = list  # one {'k': [B, S, K, H], 'v': [B, S, K, H]} dict per layer
+Cache = list  # one {'k': [B, K, S, H], 'v': [B, K, S, H]} dict per layer
 
 
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype: Any, *,
@@ -98,22 +98,31 @@ def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.A
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                           implementation: str) -> jax.Array:
-  """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H] (grouped-query attention)."""
+  """q [B, T, N, H], k/v [B, K, S, H] (heads before slots), mask [B, T, S] -> [B, T, N, H] (grouped-query attention).
+
+  Keys and values come heads-first, the KV cache's layout, so that both contractions below read the cache as stored:
+  with [B, S, K, H] XLA copied the whole cache into this order at every decode step (~30% of a CPU decode step).
+  """
   b, t, n, h = q.shape
-  kv_heads = k.shape[2]
+  kv_heads = k.shape[1]
   scale = 1.0 / math.sqrt(h)
   if implementation == "cudnn":
     # cuDNN's fused kernel runs on NVIDIA GPUs in half precision only; say so instead of failing inside lowering.
     if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
       raise ValueError(f"models/transformer.py: attention='cudnn' needs a GPU backend and a bfloat16/float16 "
                        f"compute_dtype (backend {jax.default_backend()!r}, dtype {q.dtype}); use attention='xla'")
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, S, K, H], the layout of jax.nn.dot_product_attention
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
-  q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  g = n // kv_heads
+  # Queries as [B, K, G*T, H]: both contractions are then plain batched matmuls over (B, K) that read keys and
+  # values in the cache's layout (other orders made XLA:CPU pick transposed, several times slower, dot kernels).
+  q = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)  # [B, K, G*T, H]
+  scores = jnp.einsum("BKQH,BKSH->BKQS", q, k, preferred_element_type=jnp.float32) * scale  # [B, K, G*T, S]
+  allowed = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, mask.shape[-1])).reshape(b, 1, g * t, -1)
+  scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-  return out.reshape(b, t, n, h)  # [B, T, N, H]
+  out = jnp.einsum("BKQS,BKSH->BKQH", probs, v)  # [B, K, G*T, H]
+  return out.reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # [B, T, N, H]
 
 
 class Attention(nnx.Module):
@@ -150,7 +159,8 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_inv_freq(c)  # a numpy constant at trace time
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq).swapaxes(1, 2)  # [B, K, T, H], the cache's layout
+    v = v.swapaxes(1, 2)  # [B, K, T, H]
 
     t = x.shape[1]
     if cache is None:
@@ -159,9 +169,9 @@ class Attention(nnx.Module):
     else:
       # Write this chunk's keys/values at slots [cache_index, cache_index + T) and attend over the whole cache.
       zero = jnp.zeros((), jnp.int32)
-      idx = (zero, jnp.asarray(cache_index, jnp.int32), zero, zero)
-      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), idx)  # [B, S, K, H]
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), idx)  # [B, S, K, H]
+      idx = (zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
+      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), idx)  # [B, K, S, H]
+      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), idx)  # [B, K, S, H]
       new_cache = {"k": k, "v": v}
       k, v = k.astype(dt), v.astype(dt)
       query_slots = cache_index + jnp.arange(t)
@@ -250,7 +260,7 @@ class Transformer(nnx.Module):
       if cache_index is None:
         raise ValueError("models/transformer.py: cache_index is required when a cache is given")
       cache_index = jnp.asarray(cache_index, jnp.int32)
-      num_slots = cache[0]["k"].shape[1]
+      num_slots = cache[0]["k"].shape[2]  # [B, K, S, H]
       key_mask = (jnp.ones((b, num_slots), bool) if attention_mask is None else attention_mask.astype(bool))
       if positions is None:
         if attention_mask is None:
@@ -289,8 +299,8 @@ class Transformer(nnx.Module):
     return jnp.einsum("...D,DV->...V", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
   def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> Cache:
-    """Zeroed KV cache: one {'k', 'v'} dict of [B, S, K, H] per layer, in the compute dtype unless `dtype` is given."""
+    """Zeroed KV cache: one {'k', 'v'} dict of [B, K, S, H] per layer, in the compute dtype unless `dtype` is given."""
     c = self.config
     dtype = jnp.dtype(c.compute_dtype if dtype is None else dtype)
-    shape = (batch_size, max_len, c.num_kv_heads, c.head_dim)
+    shape = (batch_size, c.num_kv_heads, max_len, c.head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(c.num_layers)]
