@@ -2,11 +2,15 @@
 
 A checkpoint step directory has three items:
   train: the device state (params, optimizer state, step, RNG, and a method's delayed sampler weights), sharded;
-  host:  the host state (replay buffer, data-iterator position, phase switch, ...) packed into one uint8 array, since
-         orbax refuses zero-size arrays and the replay state has many that start empty;
-  meta:  JSON: the step, the run's config (checked on resume) and small host scalars.
-Orbax writes each step into a temporary directory and renames it when complete, so a write that dies half-way never
-damages the last good checkpoint; `keep` old steps are kept.
+  host:  the host state (replay buffer, data-iterator position, phase switch, ...) of every process: each process
+         packs its own into bytes (orbax refuses zero-size arrays and the replay state has many that start empty),
+         and the blobs form one [P, L] uint8 array with row i on process i's first device, so each process writes
+         and restores only its own row (the first 8 bytes of a row are its length, the rest zero padding);
+  meta:  JSON: the step, the run's config (checked on resume), the process count P and the blob width L.
+Orbax writes each step into a temporary directory and renames it when complete (with several processes: after all
+of them finished their part), so a write that dies half-way never damages the last good checkpoint; `keep` old steps
+are kept. A checkpoint restores only with the process count that wrote it: the replay buffers and data positions are
+per host.
 """
 import io
 import json
@@ -14,8 +18,11 @@ import os
 
 import jax
 import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxrlvr import multihost
 
 # Config keys that may change between a run and its resumption; any other change is refused.
 RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
@@ -93,20 +100,45 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, train_state, host_state: dict, meta: dict) -> None:
+    """Every process calls this with the same `step`, its own `host_state` and the same `meta`."""
+    blob = pack_host_state(host_state)
+    width = multihost.agree_max(_LENGTH_BYTES + blob.size)  # one global shape
+    row = np.zeros((1, width), np.uint8)
+    row[0, :_LENGTH_BYTES] = np.frombuffer(np.asarray(blob.size, "<u8").tobytes(), np.uint8)
+    row[0, _LENGTH_BYTES:_LENGTH_BYTES + blob.size] = blob
+    blobs = jax.make_array_from_process_local_data(_host_sharding(), row, (jax.process_count(), width))
+    meta = {**meta, "num_processes": jax.process_count(), "host_bytes": width}
     self._manager.save(step, args=ocp.args.Composite(
         train=ocp.args.StandardSave(train_state),
-        host=ocp.args.StandardSave({"blob": pack_host_state(host_state)}),
+        host=ocp.args.StandardSave({"blobs": blobs}),
         meta=ocp.args.JsonSave(meta)))
     # Waiting keeps "checkpoint written" meaning "on disk": a SIGKILL right after must find it.
     self._manager.wait_until_finished()
 
   def restore(self, step: int, abstract_train_state):
-    """`abstract_train_state`: a pytree of jax.ShapeDtypeStruct with shardings (jax.eval_shape of the state)."""
+    """`abstract_train_state`: a pytree of jax.ShapeDtypeStruct with shardings (jax.eval_shape of the state).
+
+    Returns (train state, this process's host state, meta)."""
+    meta = self.read_meta(step)
+    self.check_processes(meta)
+    width = int(meta["host_bytes"])
+    abstract_host = {"blobs": jax.ShapeDtypeStruct((jax.process_count(), width), np.uint8,
+                                                   sharding=_host_sharding())}
     restored = self._manager.restore(step, args=ocp.args.Composite(
         train=ocp.args.StandardRestore(abstract_train_state),
-        host=ocp.args.StandardRestore(),
+        host=ocp.args.StandardRestore(abstract_host),
         meta=ocp.args.JsonRestore()))
-    return restored.train, unpack_host_state(restored.host["blob"]), restored.meta
+    row = np.asarray(restored.host["blobs"].addressable_shards[0].data)[0]  # [L]: this process's row
+    size = int(np.frombuffer(row[:_LENGTH_BYTES].tobytes(), "<u8")[0])
+    return restored.train, unpack_host_state(row[_LENGTH_BYTES:_LENGTH_BYTES + size]), restored.meta
+
+  def check_processes(self, meta: dict) -> None:
+    saved = meta.get("num_processes")
+    if saved != jax.process_count():
+      raise ValueError(
+          f"the checkpoint in {self.directory} was written by {saved} process(es) (meta num_processes={saved!r}) "
+          f"but this run has {jax.process_count()}: the replay buffers and data positions are per process, so it "
+          "resumes only with the same number of processes")
 
   def read_meta(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -120,6 +152,16 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+_LENGTH_BYTES = 8  # each host blob row starts with its byte count, little-endian uint64
+
+
+def _host_sharding() -> NamedSharding:
+  """Row i of a [P, L] array on process i's first device (and nowhere else)."""
+  devices = [min((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+             for i in range(jax.process_count())]
+  return NamedSharding(Mesh(np.asarray(devices), ("hosts",)), PartitionSpec("hosts"))
 
 
 def abstract_like(tree):

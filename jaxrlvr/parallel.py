@@ -178,6 +178,28 @@ def shard_batch(tree: Any, mesh: Mesh) -> Any:
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
 
 
+def put_global(tree: Any, sharding: NamedSharding) -> Any:
+  """Puts host arrays that every process holds in full (the same global value everywhere) on `sharding`; each
+  process transfers only the pieces its own devices hold. On one process this is `device_put`."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+  return jax.tree.map(
+      lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index, x=np.asarray(x): x[index]), tree)
+
+
+def onto_mesh(tree: Any, mesh: Mesh) -> Any:
+  """Replicates over `mesh` the leaves that live elsewhere (e.g. optimizer step counters that an un-sharded jit left
+  on one device): with several processes a jitted function needs every argument on the same devices."""
+  devices = set(mesh.devices.flat)
+
+  def move(x):
+    if isinstance(x, jax.Array) and x.sharding.device_set != devices:
+      return put_global(np.asarray(x), replicated(mesh))
+    return x
+
+  return jax.tree.map(move, tree)
+
+
 def _path_str(path: tuple) -> str:
   return ".".join(str(p) for p in path)
 

@@ -1,5 +1,12 @@
 """The training loop, read top to bottom: mesh, data, model, replay and rewards, restore, then per step
 plan (replay) -> sample -> reward -> compose and observe (replay) -> update -> log -> eval -> checkpoint.
+
+With P processes (multi-host) every process runs this same loop. Each owns 1/P of the questions, runs its own replay
+strategy on B / P questions per step (seed + process index) and builds its own rows of the update batch; the global
+batch is the hosts' pieces side by side (`parallel.shard_batch`). What must agree across hosts (resume step, padded
+shapes, ExGRPO's phase switch, sampler calls, logged metrics, evaluation) agrees through the collectives of
+`multihost.py`, whose docstring lists the rules. Host 0 alone writes config.json, metrics and the progress bar; all
+processes write the checkpoint together (checkpointing.py).
 """
 import collections
 import dataclasses
@@ -20,6 +27,7 @@ from jaxrlvr import data as data_lib
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import models
+from jaxrlvr import multihost
 from jaxrlvr import parallel
 from jaxrlvr import replay
 from jaxrlvr import rewards
@@ -31,14 +39,27 @@ from jaxrlvr.rewards import dense as dense_lib
 from jaxrlvr.rewards import judge as judge_lib
 
 
-def batch_rows(config: ml_collections.ConfigDict, batch_shards: int) -> int:
-  """Rows of every update batch: the most rollouts the method can put in one step, rounded up so that every
-  optimizer step's micro-batches split evenly over the batch shards (filler rows make up the difference)."""
-  rollouts = config.rollout.batch_size * config.rollout.group_size
+def batch_rows(config: ml_collections.ConfigDict, batch_shards: int, num_hosts: int = 1) -> int:
+  """Rows of every (global) update batch: each host's rows x `num_hosts`. A host's rows are the most rollouts the
+  method can put in one step from its B / num_hosts questions, rounded up so that every optimizer step's
+  micro-batches split evenly over the host's batch shards (filler rows make up the difference)."""
+  rollouts = host_batch_size(config, num_hosts) * config.rollout.group_size
   if config.replay.name == "advantage_priority" and config.replay.composition == "fresh_anchored":
     rollouts += int(round(config.replay.replay_fraction * rollouts))
-  multiple = config.train.num_minibatches * config.train.num_microbatches * batch_shards
-  return -(-rollouts // multiple) * multiple
+  if batch_shards % num_hosts:
+    raise config_lib.ConfigError(f"config.mesh: the batch axes (data x fsdp) have {batch_shards} shards, not a "
+                                 f"multiple of the {num_hosts} processes; each process must own whole batch shards")
+  multiple = config.train.num_minibatches * config.train.num_microbatches * (batch_shards // num_hosts)
+  return num_hosts * (-(-rollouts // multiple) * multiple)
+
+
+def host_batch_size(config: ml_collections.ConfigDict, num_hosts: int) -> int:
+  """Questions per step of each host: B / P, so every host contributes the same number of rows."""
+  batch_size = config.rollout.batch_size
+  if batch_size % num_hosts:
+    raise config_lib.ConfigError(f"config.rollout.batch_size={batch_size}: must be divisible by the number of "
+                                 f"processes ({num_hosts}); each process samples batch_size / {num_hosts} questions")
+  return batch_size // num_hosts
 
 
 def build_policy(config, mesh, book: rollout.PromptBook):
@@ -75,16 +96,27 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   mesh = parallel.make_mesh(*config_lib.mesh_shape(config.mesh, num_devices))
   batch_sharding = parallel.batch_sharding(mesh)
   batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  is_main = jax.process_index() == 0
+  num_hosts, host_id = jax.process_count(), jax.process_index()
+  host_batch = host_batch_size(config, num_hosts)
+  is_main = multihost.is_main()
+  if num_hosts > 1 and config.method == "exprl" and config.exprl.judge.kind == "model":
+    raise config_lib.ConfigError(
+        f"config.exprl.judge.kind='model' runs on one process only ({num_hosts} here): the judge's sampler calls "
+        "differ per host; serve the judge over HTTP (kind='http') for multi-process runs")
   os.makedirs(workdir, exist_ok=True)
 
   # ------------------------------------------------------------------------------------------------ Checkpoints
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.keep_checkpoints)
   latest = checkpointer.latest_step()
+  multihost.check_same(-1 if latest is None else latest, "the latest checkpoint step")
   if latest is not None and latest >= config.total_steps:
     logging.info("run in %s already finished at step %d of %d", workdir, latest, config.total_steps)
     print(f"jaxrlvr: the run in {workdir} is finished (step {latest} of {config.total_steps}); nothing to do.")
     return {}
+  if latest is not None:  # refuse a resumption that cannot be exact before building anything
+    meta = checkpointer.read_meta(latest)
+    checkpointer.check_config(meta, config)
+    checkpointer.check_processes(meta)
   if is_main:
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
       json.dump(config.to_dict(), f, indent=2, sort_keys=True)
@@ -93,8 +125,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tokenizer = data_lib.tokenizer_from_config(config)
   train_set, eval_set = data_lib.sources_from_config(config)
   eval_examples = [eval_set[q] for q in range(min(len(eval_set), config.data.eval_size or len(eval_set)))]
-  questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=jax.process_index(),
-                                        num_hosts=jax.process_count())
+  questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=host_id, num_hosts=num_hosts)
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
   sampler = rollout.SamplerSettings(
@@ -103,7 +134,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       pad_id=tokenizer.pad_token_id)
   prompt_len = sampling.bucket_length(config.data.max_prompt_len)
   completion_len = config.rollout.max_new_tokens
-  rows = batch_rows(config, batch_shards)
+  rows = batch_rows(config, batch_shards, num_hosts)
+  host_rows = rows // num_hosts  # this host's piece of every update batch
 
   # ------------------------------------------------------------------------------------------------ Model
   model, model_config = build_policy(config, mesh, book)
@@ -111,6 +143,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   logging.info("policy: %s parameters\n%s", f"{parallel.param_count(model):,}", parallel.describe_sharding(model))
   optimizer = step_lib.make_optimizer(config)
   state = step_lib.create_state(params, optimizer, mesh)
+  state = parallel.onto_mesh(state, mesh)  # optimizer counters: from one device onto the mesh, as jit needs
   state_sharding = jax.tree.map(lambda x: x.sharding, state)
   update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
                                    batch_sharding=batch_sharding)
@@ -120,7 +153,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
 
   # ------------------------------------------------------------------------------------------------ Replay, rewards
-  strategy = replay.make(config.replay.name, config)
+  strategy = replay.make(config.replay.name, config, batch_size=host_batch, seed=config.seed + host_id)
   reward_pool = rewards.MathRewardPool.from_config(config)
   judge = _build_judge(config, model, tokenizer, mesh) if config.method == "exprl" else None
   max_delay = config.replay.get("policy_delay", 0)
@@ -130,8 +163,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ------------------------------------------------------------------------------------------------ Restore
   start_step = 0
   if latest is not None:
-    meta = checkpointer.read_meta(latest)
-    checkpointer.check_config(meta, config)
     train_target = {"state": state, "history": [state.params] * meta["history_len"]}
     restored, host, _ = checkpointer.restore(latest, checkpointing.abstract_like(train_target))
     state = restored["state"]
@@ -152,11 +183,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     eval_model = policy(params)
 
     def generate_fn(prompts, temperature, n):
+      # Each host samples its share of the rows; all hosts then hold every completion and score the same ones.
       ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-      out = sampling.generate(eval_model, [p for p in ids for _ in range(n)], max_new_tokens=completion_len,
+      prompt_rows = [p for p in ids for _ in range(n)]
+      start, stop = multihost.split_rows(len(prompt_rows))
+      mine = prompt_rows[start:stop] or prompt_rows[:1]  # a host without rows still joins the sampler call
+      out = sampling.generate(eval_model, mine, max_new_tokens=completion_len,
                               rng=jax.random.key(config.seed + 1), temperature=temperature,
                               eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh)
-      return rollout.decode(tokenizer, out.tokens, out.lengths), out.lengths
+      tokens = multihost.gather_rows(out.tokens[:stop - start], len(prompt_rows))  # [N * n, T]
+      lengths = multihost.gather_rows(out.lengths[:stop - start], len(prompt_rows))  # [N * n]
+      return rollout.decode(tokenizer, tokens, lengths), lengths
 
     return evaluate_lib.evaluate(generate_fn, eval_examples, k=config.eval.k, temperature=config.eval.temperature,
                                  template=config.tokenizer.template, tokenizer=tokenizer,
@@ -180,27 +217,34 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # Plan: which questions, fresh or from the buffer; ExGRPO scores the stored answers it may replay.
     t = time.perf_counter()
     plan = strategy.plan(step, questions.next)
-    if plan.score_requests:
+    # Every host pads its stored answers to the same row count (the largest), and joins the scoring call even with
+    # none of its own to score.
+    num_answers = multihost.agree_max(sum(len(r.tokens) for r in plan.score_requests))
+    if num_answers:
       entropy_batch, owners = rollout.answer_entropy_batch(
           book, plan.score_requests, prompt_len=prompt_len, completion_len=completion_len,
-          rows=_round_up(sum(len(r.tokens) for r in plan.score_requests), rows), pad_id=sampler.pad_id)
+          rows=_round_up(num_answers, host_rows), pad_id=sampler.pad_id)
       _, entropies = score(state.params, parallel.shard_batch(entropy_batch, mesh))
-      plan = strategy.select(plan, rollout.mean_entropies(np.asarray(entropies), entropy_batch["completion_mask"],
-                                                          owners, plan.score_requests))
+      if plan.score_requests:
+        plan = strategy.select(plan, rollout.mean_entropies(
+            multihost.local_rows(entropies), entropy_batch["completion_mask"], owners, plan.score_requests))
     time_replay = time.perf_counter() - t
 
     # Sample and reward.
     t = time.perf_counter()
+    policy_at = lambda delay: policy(history[min(delay, len(history)) - 1] if delay and history else state.params)
+    _join_sampler_calls(policy_at, plan.requests, book, sampler, rng=step_rng, mesh=mesh,
+                        pad_batch_to=host_batch * config.rollout.group_size)
     sampled, rollout_info = rollout.sample_groups(
-        lambda delay: policy(history[min(delay, len(history)) - 1] if delay and history else state.params),
-        plan.requests, book, reward_pool, sampler, step=step, rng=step_rng, mesh=mesh,
-        pad_batch_to=config.rollout.batch_size * config.rollout.group_size)
+        policy_at, plan.requests, book, reward_pool, sampler, step=step, rng=step_rng, mesh=mesh,
+        pad_batch_to=host_batch * config.rollout.group_size)
     time_rollout = time.perf_counter() - t
 
     # Compose the batch and let the strategy learn from what was sampled.
     t = time.perf_counter()
     groups = strategy.compose(plan, sampled)
     strategy.observe(plan, sampled)
+    multihost.agree_phase(strategy)  # ExGRPO: replay turns on for every host at once
     time_replay += time.perf_counter() - t
 
     # Update: old log-probs under the current params, then the jitted optimizer steps.
@@ -212,7 +256,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       dense = dense_lib.dense_rewards(judge, judged, tokenizer, **dense_lib.dense_reward_kwargs(config.exprl))
       rollout_info.update(dense.metrics)
     batch = parallel.shard_batch(rollout.build_batch(
-        groups, book, prompt_len=prompt_len, completion_len=completion_len, rows=rows, pad_id=sampler.pad_id,
+        groups, book, prompt_len=prompt_len, completion_len=completion_len, rows=host_rows, pad_id=sampler.pad_id,
         clip_fresh=clip_fresh, token_advantages=None if dense is None else dense.advantages,
         loss_mask=None if dense is None else dense.loss_mask), mesh)
     batch["old_logp"], _ = score(state.params, batch)
@@ -229,17 +273,19 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     done = step + 1
     if done % config.log_every == 0 or done == config.total_steps:
       sampled_rollouts = [r for g in sampled for r in g.rollouts]
-      row = {
-          **jax.device_get(update_metrics), **jax.device_get(mismatch), **rollout_info, **strategy.metrics(),
+      host_metrics = {
+          **rollout_info, **strategy.metrics(),
           "rollout/solve_rate": np.mean([r.reward >= replay.CORRECT_THRESHOLD for r in sampled_rollouts]),
           "rollout/response_length": np.mean([len(r.tokens) for r in sampled_rollouts]),
           "rollout/truncated": np.mean([not r.finished for r in sampled_rollouts]),
           "time/rollout_s": time_rollout, "time/update_s": time_update, "time/replay_s": time_replay,
           "time/step_s": time.perf_counter() - t_step,
       }
+      row = {**jax.device_get(update_metrics), **jax.device_get(mismatch), **multihost.host_mean(host_metrics)}
       if done % config.eval_every == 0 or done == config.total_steps:
         row.update(evaluate(state.params))
       writer.write(done, row)
+      _log_host_row(done, row, num_hosts)
       last = row
     elif done % config.eval_every == 0:
       writer.write(done, evaluate(state.params))
@@ -266,6 +312,30 @@ def _build_judge(config, policy_model, tokenizer, mesh):
       model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
     return judge_lib.judge_from_config(judge_config, model=model, tokenizer=tokenizer, mesh=mesh)
   return judge_lib.judge_from_config(judge_config)
+
+
+def _join_sampler_calls(policy_at, requests, book: rollout.PromptBook, settings: rollout.SamplerSettings, *, rng,
+                        mesh, pad_batch_to: int) -> None:
+  """Multi-host: joins, with a throw-away prompt, the sampler calls other hosts make for policy delays this host has
+  no request for (BAPO re-rolls only where the FIFO is not empty). `rollout.sample_groups` samples the delays in
+  increasing order, after these calls, so only delays below this host's smallest can be joined this way."""
+  local = {r.policy_delay for r in requests}
+  for delay in multihost.missing_delays(local):
+    if delay > min(local):
+      raise RuntimeError(f"train.py: another host samples at policy delay {delay}, between this host's delays "
+                         f"{sorted(local)}; the sampler calls cannot be matched")
+    sampling.generate(policy_at(delay), [book.prompt_ids(requests[0].qid)], max_new_tokens=settings.max_new_tokens,
+                      rng=jax.random.fold_in(rng, delay), temperature=settings.temperature, top_p=settings.top_p,
+                      top_k=settings.top_k, eos_ids=settings.eos_ids, pad_id=settings.pad_id, mesh=mesh,
+                      pad_batch_to=pad_batch_to)
+
+
+def _log_host_row(step: int, row: dict, num_hosts: int) -> None:
+  """Multi-host: every host logs the global metrics it computed (they must be the same on every host; the
+  multi-host test compares them). metrics.jsonl has host 0's."""
+  if num_hosts > 1:
+    values = {k: metrics_lib.to_python(v) for k, v in sorted(row.items())}
+    logging.info("host %d global metrics at step %d: %s", jax.process_index(), step, json.dumps(values))
 
 
 def _round_up(n: int, multiple: int) -> int:

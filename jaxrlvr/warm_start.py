@@ -20,6 +20,8 @@ from absl import logging
 from flax import nnx
 
 from jaxrlvr import models
+from jaxrlvr import multihost
+from jaxrlvr import parallel
 from jaxrlvr import step as step_lib
 
 _VERSION = 2
@@ -68,6 +70,8 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(steps // 10, 1)), max(steps, 2), lr / 10)
   optimizer = optax.adamw(schedule, weight_decay=0.0)
   opt_state = optimizer.init(params)
+  if batch_sharding is not None:  # the step counter starts on one device; jit needs every argument on the mesh
+    opt_state = parallel.onto_mesh(opt_state, batch_sharding.mesh)
 
   def loss_fn(params, batch):
     logp, _ = step_lib.completion_logprobs(nnx.merge(graphdef, params), batch, 1.0)
@@ -87,8 +91,12 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
     batch = pack_sequences([pairs[r] for r in rows], prompt_len=prompt_len, completion_len=completion_len,
                            pad_id=pad_id)
     if batch_sharding is not None:
-      batch = jax.device_put(batch, batch_sharding)
+      batch = parallel.put_global(batch, batch_sharding)  # the same batch on every process
     params, opt_state, loss = train_step(params, opt_state, batch)
+    if jax.process_count() > 1:
+      # Several CPU processes: steps queued ahead deadlock XLA's CPU collectives (a device's worker waits to start
+      # step i + 1 while its peers wait for it in step i's all-reduce); one step in flight at a time avoids it.
+      jax.block_until_ready(loss)
     if log_every and (i + 1) % log_every == 0:
       logging.info("warm start step %d/%d: loss %.4f (%.0f s)", i + 1, steps, float(loss), time.time() - start)
   return nnx.merge(graphdef, params)
@@ -100,12 +108,15 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
   """The warm-started model, trained once and then loaded from `cache_dir/<key>` (an HF checkpoint directory)."""
   key = cache_key(model_config, tokenizer, pairs, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
   path = os.path.join(cache_dir or default_cache_dir(), key)
-  if not os.path.exists(os.path.join(path, "config.json")):
+  # Several processes: process 0 alone decides whether the entry exists (another run may finish it between two
+  # processes' checks), all of them train alike on the global mesh, process 0 alone writes, and the others read only
+  # after the barrier, so nobody races on the file or reads it half-written.
+  if not multihost.broadcast_flag(os.path.exists(os.path.join(path, "config.json"))):
     logging.info("warm start: training %d supervised steps (cache %s)", steps, path)
     model = train_supervised(model, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
                              prompt_len=prompt_len, completion_len=completion_len, pad_id=tokenizer.pad_token_id,
                              batch_sharding=batch_sharding)
-    if jax.process_index() == 0:
+    if multihost.is_main():
       # Write beside the target and rename, so a killed run never leaves a half-written cache entry.
       os.makedirs(os.path.dirname(path), exist_ok=True)
       tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
@@ -114,6 +125,7 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
         os.rename(tmp, path)
       except OSError:  # another run finished the same warm start first
         shutil.rmtree(tmp, ignore_errors=True)
+    multihost.barrier(f"warm_start_{key}")
   else:
     logging.info("warm start: reusing %s", path)
   loaded, _ = models.load_pretrained(path, dtype=jnp.dtype(model_config.param_dtype), mesh=mesh)

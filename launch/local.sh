@@ -41,11 +41,17 @@ fi
 # Job control: each command starts as the leader of its own process group, so stopping the group also stops what
 # it started (reward workers). Its output goes through an awk that prefixes the lines; $! is the command itself.
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+# mawk (Debian's default awk) reads its input in blocks: without -W interactive the prefixed lines would appear only
+# when a buffer fills or the process ends, and be lost if it hangs.
+prefixer=(awk)
+if awk -W version 2>&1 | head -n 1 | grep -qi mawk; then
+  prefixer=(awk -W interactive)
+fi
 set -m
 pids=()
 for ((i = 0; i < num; i++)); do
   JAXRLVR_COORDINATOR="127.0.0.1:${port}" JAXRLVR_NUM_PROCESSES="$num" JAXRLVR_PROCESS_ID="$i" \
-    "$@" < /dev/null > >(awk -v prefix="[$i] " '{ print prefix $0; fflush() }') 2>&1 &
+    "$@" < /dev/null > >("${prefixer[@]}" -v prefix="[$i] " '{ print prefix $0; fflush() }') 2>&1 &
   pids+=("$!")
 done
 set +m
@@ -63,6 +69,18 @@ stop_all() {  # $1: signal
 on_signal() {  # $1: the signal received; exit 128 + its number, as a shell would
   echo "local.sh: got SIG$1; stopping ${num} processes" >&3
   stop_all TERM
+  # A process blocked in a collective may not act on SIGTERM: SIGKILL whatever is left after 10 s.
+  local waited=0 pid alive
+  while [[ $waited -lt 50 ]]; do
+    alive=""
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null && alive=1
+    done
+    [[ -z "$alive" ]] && break
+    sleep 0.2
+    waited=$((waited + 1))
+  done
+  [[ -n "$alive" ]] && stop_all KILL
   wait
   [[ "$1" == INT ]] && exit 130
   exit 143

@@ -37,3 +37,14 @@ def test_incompatible_changes_name_the_key_and_allow_schedule_keys():
   saved = {"total_steps": 10, "rollout": {"group_size": 8}, "mesh": {"data": 8}}
   current = {"total_steps": 20, "rollout": {"group_size": 4}, "mesh": {"data": 4}}
   assert checkpointing.incompatible_changes(saved, current) == ["rollout.group_size: 8 -> 4"]
+
+
+def test_a_checkpoint_resumes_only_with_the_process_count_that_wrote_it(tmp_path):
+  ckpt = checkpointing.Checkpointer(str(tmp_path))
+  ckpt.save(1, {"w": jnp.zeros(2)}, {"data": {"position": 3}}, {"step": 1, "config": {}})
+  meta = ckpt.read_meta(1)
+  assert meta["num_processes"] == 1
+  ckpt.check_processes(meta)
+  with pytest.raises(ValueError, match=r"written by 2 process\(es\).*this run has 1"):
+    ckpt.check_processes({**meta, "num_processes": 2})
+  ckpt.close()
