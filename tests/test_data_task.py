@@ -53,6 +53,30 @@ def test_worked_solutions_add_column_by_column():
   assert synthetic._render("mul1x2", (7, 38)) == ("7*38", "266", "56,26,\\boxed{266}")
 
 
+def test_worked_fraction_answers_the_rest_bare():
+  """A fixed share of train questions keep their worked solution; the others get the bare boxed answer, the same
+  question always the same way, and the questions and answers themselves do not change."""
+  full = ArithmeticSource(split="train", seed=3, size=4000)
+  mixed = ArithmeticSource(split="train", seed=3, size=4000, worked_fraction=0.4)
+  worked = 0
+  for qid in range(len(mixed)):
+    a, b = full[qid], mixed[qid]
+    assert (a.question, a.answer) == (b.question, b.answer)
+    if b.solution == a.solution:
+      worked += 1
+    else:
+      assert b.solution == f"\\boxed{{{a.answer}}}", b.solution
+  # 4,000 Bernoulli(0.4) draws: mean 1,600, sd 31; 5 sd either side.
+  assert 1445 <= worked <= 1755, worked
+  assert mixed[17] == ArithmeticSource(split="train", seed=3, size=4000, worked_fraction=0.4)[17]
+  assert all(ArithmeticSource(split="train", size=50, worked_fraction=0.0)[q].solution.startswith("\\boxed{")
+             for q in range(50))
+  with pytest.raises(DataError, match="worked_fraction must lie in"):
+    ArithmeticSource(worked_fraction=1.5)
+  with pytest.raises(DataError, match="applies to the synthetic task only"):
+    make_source("jsonl:/nonexistent.jsonl", worked_fraction=0.5)
+
+
 def test_train_and_test_are_disjoint_for_any_test_size():
   largest_test = ArithmeticSource(split="test", seed=0, size=4 * synthetic.HELD_OUT_PER_LEVEL)
   train = ArithmeticSource(split="train", seed=0)

@@ -239,7 +239,7 @@ def _split_tfds_spec(rest: str) -> tuple[str, str]:
 
 def make_source(spec: str, *, split: str = "train", question_field: str = "question", answer_field: str = "answer",
                 solution_field: str = "solution", seed: int = 0, size: int | None = None,
-                data_dir: str | None = None) -> Source:
+                data_dir: str | None = None, worked_fraction: float = 1.0) -> Source:
   """Opens the source named by `spec` (see the module docstring for the forms).
 
   Args:
@@ -247,6 +247,8 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
       the spec has none. A jsonl or parquet file is one split.
     seed: the synthetic task's question set (its train and test questions are disjoint for every seed).
     size: number of synthetic questions (default 20,000 train, 200 test).
+    worked_fraction: the synthetic task's share of questions whose solution shows its work (the rest: the bare
+      boxed answer); see jaxrlvr/data/synthetic.py.
     data_dir: the tfds data directory (default $TFDS_DATA_DIR, then tfds's own default).
   """
   kind, _, rest = spec.partition(":")
@@ -255,7 +257,10 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     from jaxrlvr.data import synthetic  # pylint: disable=g-import-not-at-top
     if rest != "arithmetic":
       raise DataError(f"data source {spec!r}: unknown synthetic task {rest!r}; known: 'arithmetic'")
-    return synthetic.ArithmeticSource(split=split, seed=seed, size=size)
+    return synthetic.ArithmeticSource(split=split, seed=seed, size=size, worked_fraction=worked_fraction)
+  if worked_fraction != 1.0:
+    raise DataError(f"data source {spec!r}: worked_fraction={worked_fraction} applies to the synthetic task only; "
+                    f"a dataset's solutions are what the file holds")
   if not rest:
     raise DataError(f"data source {spec!r} names no path; expected e.g. 'jsonl:/data/train.jsonl'")
   if kind == "jsonl":
@@ -274,13 +279,15 @@ def sources_from_config(config) -> tuple[Source, Source]:
   """(train source, held-out source) from `config.data` and `config.seed`.
 
   Reads data.{source, eval_source, question_field, answer_field, solution_field, eval_size} and, when present,
-  data.data_dir (tfds) and data.train_size (synthetic; 0 or absent: 20,000). An empty eval_source means the
-  held-out split of the synthetic task.
+  data.data_dir (tfds), data.train_size (synthetic; 0 or absent: 20,000) and data.worked_fraction (synthetic
+  train split; absent: 1). An empty eval_source means the held-out split of the synthetic task, whose solutions
+  always show their work (they are references, never trained on).
   """
   data = config.data
   kwargs = dict(question_field=data.question_field, answer_field=data.answer_field,
                 solution_field=data.solution_field, seed=config.seed, data_dir=data.get("data_dir") or None)
-  train = make_source(data.source, split="train", size=data.get("train_size") or None, **kwargs)
+  train = make_source(data.source, split="train", size=data.get("train_size") or None,
+                      worked_fraction=data.get("worked_fraction", 1.0), **kwargs)
   eval_spec = data.eval_source or "synthetic:arithmetic"
   held_out = make_source(eval_spec, split="test", size=data.eval_size if eval_spec.startswith("synthetic:") else None,
                          **kwargs)

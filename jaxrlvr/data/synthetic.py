@@ -88,7 +88,7 @@ def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
 class ArithmeticSource:
   """`synthetic:arithmetic` as a Source: deterministic from (seed, split, qid), nothing stored but permutations."""
 
-  def __init__(self, *, split: str = "train", seed: int = 0, size: int | None = None):
+  def __init__(self, *, split: str = "train", seed: int = 0, size: int | None = None, worked_fraction: float = 1.0):
     if split not in DEFAULT_SIZES:
       raise DataError(f"synthetic:arithmetic: split must be 'train' or 'test', got {split!r}")
     size = DEFAULT_SIZES[split] if size is None else int(size)
@@ -97,8 +97,14 @@ class ArithmeticSource:
     if split == "test" and size > len(LEVELS) * HELD_OUT_PER_LEVEL:
       raise DataError(f"synthetic:arithmetic: test size ({size}) must be <= {len(LEVELS) * HELD_OUT_PER_LEVEL} "
                       f"({HELD_OUT_PER_LEVEL} reserved questions per level)")
+    if not 0.0 <= worked_fraction <= 1.0:
+      raise DataError(f"synthetic:arithmetic: worked_fraction must lie in [0, 1], got {worked_fraction!r}")
     self.name = f"synthetic:arithmetic:{split}"
     self.split, self.seed, self.size = split, seed, size
+    # Which questions the teacher answers without showing its work: a fixed draw per (seed, qid), so the same
+    # question always gets the same kind of solution and the fraction holds within any range of qids.
+    draws = np.random.default_rng([seed, len(LEVELS), 1]).random(size)
+    self._bare = draws >= worked_fraction
 
   def __len__(self) -> int:
     return self.size
@@ -115,6 +121,8 @@ class ArithmeticSource:
       position = HELD_OUT_PER_LEVEL + j % (len(order) - HELD_OUT_PER_LEVEL)
     operands = tuple(int(v) for v in _operands(level, np.asarray(order[position])))
     question, answer, solution = _render(level, operands)
+    if self._bare[qid]:
+      solution = f"\\boxed{{{answer}}}"
     return Example(qid=qid, question=question, answer=answer, solution=solution,
                    data_source=f"arithmetic/{level}")
 
