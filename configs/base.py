@@ -45,6 +45,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.data.solution_field = "solution"
   c.data.eval_size = 200
   c.data.max_prompt_len = 16  # the embedded task's prompts are at most 15 tokens
+  c.data.worked_fraction = 1.0  # synthetic task: share of train solutions that show their work (rest: bare answer)
 
   # Rollouts: B questions x K samples each.
   c.rollout = ml_collections.ConfigDict()

@@ -16,6 +16,13 @@ bucket: each token is then a small lookup, and what is left to learn (the subtra
 is what RL improves. With the embedded tokenizer and the `plain` template a prompt is at most 15 tokens
 ("Q: 47+38-21\\nA: ") and a solution at most 19 including the stop token.
 
+`worked_fraction` (config `data.worked_fraction`, default 1) keeps the worked solution for that share of the train
+questions and gives the rest the bare answer (`\\boxed{85}`), a fixed draw per (seed, qid). Below 1 the warm start
+imitates a teacher that often skips its work, leaving RL a choice to learn. With 0.4 and 1,200 warm-start steps,
+greedy accuracy started at 55% with mostly bare answers; 300 GRPO steps at lr 3e-5 reached 62-64% (seed 0, one run),
+against about +3 points from the default warm start. Greedy answers stayed mostly bare: the gain came from the bare
+answers themselves, not from showing more work.
+
 Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_LEVEL` questions of
 each permutation are reserved for the 'test' split whatever its size, so 'train' never contains a test question.
 'train' walks the rest and wraps around when asked for more (mul1x2 has only 720 - 128 = 592 train questions).
