@@ -8,7 +8,8 @@ Same weights for both (our random init, written with `save_pretrained`, read bac
 stop (eos_ids=() for us; no eos and min_new_tokens=48 for transformers). Times exclude compilation (one warm-up call
 each); ours and transformers' are timed round-robin, `--repeats` calls each, and the best call is reported (medians
 on the next line), so load from other jobs on a shared machine falls on both alike. tokens/s = batch * new tokens /
-time, prefill included. PyTorch is timed with its default thread count and with 1 thread, and the faster is reported
+time, prefill included. transformers runs in a process of its own (so neither library's thread pools or allocator
+state affect the other's timings), with PyTorch's default thread count and with 1 thread; the faster is reported
 (the column says which).
 
 On a GPU, a second section samples from the `qwen2.5-math-1.5b` preset with random bf16 weights and reports
@@ -20,6 +21,7 @@ Our target: >= 2x transformers' tokens/s on both CPU models.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -57,19 +59,43 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def _interleaved_times(fns: dict, repeats: int) -> dict:
-  """Seconds per call of each function, {name: [t1, ...]}, timed round-robin after one warm-up call each.
+  """Seconds per call of each contender, {name: [t1, ...]}, round-robin after one warm-up call each.
 
-  Round-robin, so that load from other jobs on a shared machine falls on every contender alike.
+  Each function runs one call and returns its own duration. Round-robin, so that load from other jobs on a shared
+  machine falls on every contender alike.
   """
   for fn in fns.values():
     fn()
   times = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
+      times[name].append(fn())
   return times
+
+
+def _hf_worker(conn, path: str, ids, mask, new_tokens: int, check_ids, check_mask) -> None:
+  """transformers in a process of its own: PyTorch's thread pools and allocator never share a process with XLA's.
+
+  Sends the greedy continuations of the check prompts, then answers each number of threads it receives with the
+  seconds of one sampled `generate` call (None stops it).
+  """
+  import torch
+  import transformers
+
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    greedy = hf.generate(torch.tensor(check_ids), attention_mask=torch.tensor(check_mask), do_sample=False,
+                         max_new_tokens=8, pad_token_id=0, eos_token_id=None)[:, check_ids.shape[1]:].numpy()
+    conn.send(greedy)
+    ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
+    while (threads := conn.recv()) is not None:
+      torch.set_num_threads(threads)
+      start = time.perf_counter()
+      out = hf.generate(ids_t, attention_mask=mask_t, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+      seconds = time.perf_counter() - start
+      assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
+      conn.send(seconds)
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -79,47 +105,47 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 def bench_cpu_model(name: str, config: ModelConfig, args: argparse.Namespace) -> dict:
   """Tokens/s of ours (cached, uncached) and of transformers on one model, with a greedy agreement check."""
-  import torch
-  import transformers
-
-  with tempfile.TemporaryDirectory() as path:
-    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), config, path)
-    ours, _ = load_pretrained(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   prompts = _prompts(args.batch, args.prompt_len, config.vocab_size)
   new = args.new_tokens
   tokens = args.batch * new
-
-  # Same weights: greedy continuations of a few prompts agree token for token.
   check = [p[: 8 + i] for i, p in enumerate(prompts[:4])]
-  ids, mask = _left_pad(check)
-  with torch.no_grad():
-    hf_greedy = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False, max_new_tokens=8,
-                            pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:].numpy()
-  our_greedy = sampling.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0).tokens
-  agree = bool(np.array_equal(hf_greedy, our_greedy))
-
-  seed = iter(range(10**6))
-  run = lambda use_cache: sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)),
-                                            temperature=1.0, eos_ids=(), use_cache=use_cache)
   ids, mask = _left_pad(prompts)
-  ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
+  check_ids, check_mask = _left_pad(check)
+  with tempfile.TemporaryDirectory() as path:
+    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), config, path)
+    ours, _ = load_pretrained(path)
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    worker = context.Process(target=_hf_worker, args=(child_conn, path, ids, mask, new, check_ids, check_mask))
+    worker.start()
+    try:
+      # Same weights: greedy continuations of a few prompts agree token for token.
+      hf_greedy = conn.recv()
+      our_greedy = sampling.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0).tokens
+      agree = bool(np.array_equal(hf_greedy, our_greedy))
 
-  def hf_run(threads):
-    torch.set_num_threads(threads)
-    with torch.no_grad():
-      out = hf.generate(ids_t, attention_mask=mask_t, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                        max_new_tokens=new, min_new_tokens=new, pad_token_id=0, eos_token_id=None)
-    assert out.shape[1] == ids.shape[1] + new, out.shape
+      seed = iter(range(10**6))
+      run = lambda use_cache: sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)),
+                                                temperature=1.0, eos_ids=(), use_cache=use_cache)
 
-  # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other jobs);
-  # the faster of the two is reported.
-  default_threads = torch.get_num_threads()
-  contenders = {"ours": lambda: run(True)}
-  for threads in sorted({default_threads, 1}, reverse=True):
-    contenders[f"hf{threads}"] = lambda t=threads: hf_run(t)
-  times = _interleaved_times(contenders, args.repeats)
-  torch.set_num_threads(default_threads)
+      def ours_call() -> float:
+        start = time.perf_counter()
+        run(True)
+        return time.perf_counter() - start
+
+      def hf_call(threads: int) -> float:
+        conn.send(threads)
+        return conn.recv()
+
+      # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other
+      # jobs); the faster of the two is reported.
+      contenders = {"ours": ours_call}
+      for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
+        contenders[f"hf{threads}"] = lambda t=threads: hf_call(t)
+      times = _interleaved_times(contenders, args.repeats)
+    finally:
+      conn.send(None)
+      worker.join(timeout=60)
   uncached = None if args.skip_uncached else _median_time(lambda: run(False), args.uncached_repeats)
 
   best = {name: min(t) for name, t in times.items()}
