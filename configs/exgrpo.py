@@ -3,7 +3,8 @@ correct answers, a retired set, lowest-entropy answer selection and the mixed-po
 
     python -m jaxrlvr.main --config=configs/exgrpo.py --workdir=/tmp/exgrpo
 
-2-core CPU, about 10 minutes with the warm start; held-out accuracy before and after is in the README's results.
+2-core CPU: 3 min 36 s measured on a quiet machine, warm start included; held-out accuracy stays near its start
+(58.0% -> 55.5% in that run; the README's results have the details).
 Paper scale (the released run_exgrpo.sh: 128 questions x 8, response 8192, 700 steps, lr 1e-6):
 
     python -m jaxrlvr.main --config=configs/exgrpo.py:model=qwen2.5-math-7b --workdir=DIR \\
