@@ -134,6 +134,9 @@ class Checkpointer:
 
   def check_processes(self, meta: dict) -> None:
     saved = meta.get("num_processes")
+    if saved is None:
+      raise ValueError(f"the checkpoint in {self.directory} has no num_processes in its metadata: it predates "
+                       "multi-host checkpoints (per-process replay state) and cannot be resumed by this version")
     if saved != jax.process_count():
       raise ValueError(
           f"the checkpoint in {self.directory} was written by {saved} process(es) (meta num_processes={saved!r}) "
