@@ -31,6 +31,10 @@ Where the paper and its released code differ (the defaults follow the released c
   right (there is no switch for the bug).
 - Missing recorded log-probs: the released code silently falls back to the current policy (ratio 1); here it is an
   error.
+
+Multi-host (P processes): each host keeps its own buffer over its own questions and replays floor(rho B / P) of its
+B / P questions a step, so a step replays P x floor(rho B / P) questions (equal to rho B when P divides it); the
+delayed start is decided on the global batch solve rate, for all hosts at once (jaxrlvr/multihost.py).
 """
 from configs import base
 from jaxrlvr import config_lib
