@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax import struct
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxrlvr import multihost
 
 BATCH_AXES = ("data", "fsdp")
 TENSOR_AXIS = "tensor"
@@ -374,7 +375,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     state = uncached(params, ids, mask, real, controls)
   outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
   if jax.process_count() > 1:  # this process's rows only
-    outputs = jax.tree.map(_local_rows, outputs)
+    outputs = jax.tree.map(multihost.local_rows, outputs)
   tokens, logprobs, entropies, lengths, logits = jax.device_get(outputs)
   return SampleOutput(tokens=tokens[:batch], logprobs=logprobs[:batch], entropies=entropies[:batch],
                       lengths=lengths[:batch], logits=None if logits is None else logits[:batch])
@@ -404,8 +405,8 @@ def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, m
     local_shards = shards // jax.process_count()
     multiple = multiple * local_shards // np.gcd(multiple, local_shards)
   # Every process must build the same shapes: agree on the longest prompt and the largest local batch.
-  padded_batch = _process_max(-(-batch // multiple) * multiple)
-  width = bucket_length(_process_max(max(lengths)))
+  padded_batch = multihost.agree_max(-(-batch // multiple) * multiple)
+  width = bucket_length(multihost.agree_max(max(lengths)))
   ids = np.full((padded_batch, width), pad_id, np.int32)
   mask = np.zeros((padded_batch, width), np.int32)
   for row, prompt in enumerate(prompts):
@@ -427,21 +428,6 @@ def _stop_array(eos_ids: Sequence[int]) -> np.ndarray:
     raise ValueError(f"sampling.py: eos_ids={eos} must be non-negative token ids")
   slots = max(4, -(-len(eos) // 4) * 4)
   return np.asarray(eos + [-1] * (slots - len(eos)), np.int32)
-
-
-def _process_max(value: int) -> int:
-  """The largest `value` over all processes (itself on one process)."""
-  if jax.process_count() == 1:
-    return int(value)
-  return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
-
-
-def _local_rows(x: jax.Array) -> np.ndarray:
-  """The rows of a batch-sharded global array that live on this process, in order (the inverse of `_to_global`)."""
-  shards = {}
-  for shard in x.addressable_shards:  # shards repeated over 'tensor' hold the same rows: keep one per row range
-    shards.setdefault(shard.index[0].start or 0, shard)
-  return np.concatenate([np.asarray(shards[start].data) for start in sorted(shards)], axis=0)
 
 
 def _to_global(mesh: jax.sharding.Mesh, local: np.ndarray, spec: P) -> jax.Array:
