@@ -2,8 +2,9 @@
 
     python -m jaxrlvr.main --config=configs/grpo.py --workdir=/tmp/grpo
 
-2-core CPU: a few minutes, warm start included (the same command for ExGRPO took 3 min 36 s on a quiet machine;
-GRPO does that work without replay); see the README's results for the measured held-out accuracy.
+2-core CPU: 2 min 2 s measured on a quiet machine with the warm start already cached (ExGRPO's command had made it;
+from a cold cache add about 4 minutes). Held-out greedy accuracy (400 questions, seed 0) went 41.5% -> 62.5% at
+step 100 and 60.5% at step 200 (+19 points); the README's results have the details.
 Paper scale (Qwen2.5-Math-7B, released ExGRPO settings without replay):
 
     python -m jaxrlvr.main --config=configs/grpo.py:model=qwen2.5-math-7b --workdir=DIR \\

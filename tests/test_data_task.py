@@ -48,9 +48,25 @@ def test_worked_solutions_add_column_by_column():
   assert synthetic.column_sums(472, 389) == [11, 16, 8]
   assert synthetic.column_sums(99, 1) == [10, 10]
   assert synthetic._render("add2", (47, 38)) == ("47+38", "85", "15,8,\\boxed{85}")
-  assert synthetic._render("addsub2", (47, 38, 21)) == ("47+38-21", "64", "15,8,85-21=\\boxed{64}")
-  # 7*38: 7*8 = 56 (carry 5), 7*3+5 = 26 -> 266.
-  assert synthetic._render("mul1x2", (7, 38)) == ("7*38", "266", "56,26,\\boxed{266}")
+  # 85-21: 5-1 = 4, 8-2 = 6.  94-16: 4-6 = -2 (digit 8, borrow 1), 9-1-1 = 7 -> 78.  198-99: 8-9 = -1, 9-9-1 = -1,
+  # 1-0-1 = 0 -> 99.  64-64: 0, 0.
+  assert synthetic.column_differences(85, 21) == [4, 6]
+  assert synthetic.column_differences(94, 16) == [-2, 7]
+  assert synthetic.column_differences(198, 99) == [-1, -1, 0]
+  assert synthetic.column_differences(64, 64) == [0, 0]
+  assert synthetic._render("addsub2", (47, 38, 21)) == ("47+38-21", "64", "15,8,85-21=4,6,\\boxed{64}")
+  assert synthetic._render("addsub2", (80, 14, 16)) == ("80+14-16", "78", "4,9,94-16=-2,7,\\boxed{78}")
+  # 7*38: 7*8 = 56 (carry 5), 7*3 = 21, 21+5 = 26 -> 266.
+  assert synthetic._render("mul1x2", (7, 38)) == ("7*38", "266", "56,21,26,\\boxed{266}")
+
+
+def test_column_differences_spell_the_answer_for_every_subtraction():
+  """Every c <= s <= 198 (all that addsub2 can ask): the digits d mod 10, most significant first, spell s - c."""
+  for s in range(20, 199):
+    for c in range(10, min(s, 99) + 1):
+      diffs = synthetic.column_differences(s, c)
+      assert all(-10 <= d <= 9 for d in diffs) and diffs[-1] >= 0, (s, c, diffs)  # 100-91: 0-9-1 = -10
+      assert int("".join(str(d % 10) for d in reversed(diffs))) == s - c, (s, c, diffs)
 
 
 def test_worked_fraction_answers_the_rest_bare():
@@ -107,8 +123,9 @@ def test_embedded_tokenizer(embedded):
     assert tokenizer.decode(prompt_ids + completion_ids) == prompt + completion  # lossless round trip
     longest_prompt = max(longest_prompt, len(prompt_ids))
     longest_completion = max(longest_completion, len(completion_ids))
-  # "Q: 47+38-21\nA: " is 3 + 8 + 1 + 3 = 15; "17,18,198-10=\boxed{188}<eos>" is 2+1+2+1+3+1+2+1+1+3+1+1 = 19.
-  assert (longest_prompt, longest_completion) == (15, 19)
+  # "Q: 47+38-21\nA: " is 3 + 8 + 1 + 3 = 15. The longest completion subtracts from a 3-digit sum with two borrows,
+  # "18,13,138-79=-1,-5,0,\boxed{59}<eos>": sums 2+1+2+1, "138-79=" 6, diffs 2+1+2+1+1+1, answer 1+2+1, eos 1 = 26.
+  assert (longest_prompt, longest_completion) == (15, 26)
   # It is an ordinary Hugging Face tokenizer directory, cached, with no staging directory left behind.
   path = os.path.join(cache, "tokenizer-v2")
   reloaded = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,27 +1,31 @@
 """The embedded task: graded arithmetic that a ~1M-parameter model learns on a laptop CPU in minutes.
 
 Four levels, mixed evenly (qid % 4), fixed-width operands, answers in `\\boxed{}`. The worked solutions (the warm
-start's targets) add column by column, least significant digit first, writing each column's sum with its carry:
+start's targets) work column by column, least significant digit first:
 
-    level    question      solution
-    add2     47+38         15,8,\\boxed{85}              (7+8=15, then 4+3+1=8)
+    level    question      worked solution
+    add2     47+38         15,8,\\boxed{85}                   (7+8=15, then 4+3+1=8)
     add3     472+389       11,16,8,\\boxed{861}
-    addsub2  47+38-21      15,8,85-21=\\boxed{64}        (c <= a+b, so answers are >= 0)
-    mul1x2   7*38          56,26,\\boxed{266}            (7*8=56, then 7*3+5=26)
+    addsub2  47+38-21      15,8,85-21=4,6,\\boxed{64}         (sums of 47+38, then 5-1=4, 8-2=6; c <= a+b)
+             80+14-16      4,9,94-16=-2,7,\\boxed{78}         (4-6=-2 borrows: its digit is 8; then 9-1-1=7)
+    mul1x2   7*38          56,21,26,\\boxed{266}              (7*8=56, 7*3=21, then 21+5=26)
 
 Why columns: with the answer alone, a 1M-parameter model must learn carries from the most significant digit first;
-on 2 CPU cores it sat near 3-9% greedy accuracy after 1,750 steps of batch 64. With the column sums it reached 25%
-after 500 steps (add2 48%, add3 42%, addsub2 2%, mul1x2 10%), with sampled solve rates spread over every ExGRPO
-bucket: each token is then a small lookup, and what is left to learn (the subtraction, the products, reliability)
-is what RL improves. With the embedded tokenizer and the `plain` template a prompt is at most 15 tokens
-("Q: 47+38-21\\nA: ") and a solution at most 19 including the stop token.
+on 2 CPU cores it sat near 3-9% greedy accuracy after 1,750 steps of batch 64. With column sums each token is a
+small lookup. The subtraction and the product show their last step too (the borrows, the carry added to 7*3): when
+they did not, the warm-started model answered 6% of the subtractions and 30% of the products, and 250 RL steps
+barely moved either (the subtraction is still the hardest level: 10-18% after RL). With the embedded tokenizer and
+the `plain` template a prompt is at most 15 tokens ("Q: 47+38-21\\nA: ") and a solution at most 25 (addsub2) plus
+the stop token.
 
-`worked_fraction` (config `data.worked_fraction`, default 1) keeps the worked solution for that share of the train
-questions and gives the rest the bare answer (`\\boxed{85}`), a fixed draw per (seed, qid). Below 1 the warm start
-imitates a teacher that often skips its work, leaving RL a choice to learn. With 0.4 and 1,200 warm-start steps,
-greedy accuracy started at 55% with mostly bare answers; 300 GRPO steps at lr 3e-5 reached 62-64% (seed 0, one run),
-against about +3 points from the default warm start. Greedy answers stayed mostly bare: the gain came from the bare
-answers themselves, not from showing more work.
+`worked_fraction` (config `data.worked_fraction`; the embedded default uses 0.4, the class default is 1) keeps the
+worked solution for that share of the train questions and gives the rest the bare answer (`\\boxed{85}`), a fixed
+draw per (seed, qid) that does not depend on the question. The warm start then imitates a teacher that often skips
+its work: the greedy model answers nearly everything bare, which the model does about as well as the worked form
+on 2-digit sums but much worse on 3-digit sums and products (a 1,200-step warm start, 200 held-out questions x 8
+samples at temperature 1: add3 8% bare against 49% worked, mul1x2 21% against 33%). RL on the verifier's reward
+learns to show the work where it pays: the greedy answers double in length and held-out accuracy rises by 17-21
+points within 50-200 steps (seed 0; README, "Results").
 
 Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_LEVEL` questions of
 each permutation are reserved for the 'test' split whatever its size, so 'train' never contains a test question.
@@ -76,6 +80,20 @@ def column_sums(a: int, b: int) -> list[int]:
   return sums
 
 
+def column_differences(s: int, c: int) -> list[int]:
+  """Column differences of s - c (s >= c), least significant first, each including the borrow from the column before.
+
+  A negative entry is a column that borrows: its digit is the entry + 10 and the next column takes 1 less, as a
+  column sum of 10 or more carries 1 (94 - 16 -> [-2, 7]: 4-6 = -2 borrows, 9-1-1 = 7; the answer is 78).
+  """
+  diffs, borrow = [], 0
+  while s or c or not diffs:
+    diff = s % 10 - c % 10 - borrow
+    diffs.append(diff)
+    borrow, s, c = int(diff < 0), s // 10, c // 10
+  return diffs
+
+
 def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
   """(question, answer, worked solution) text for one question."""
   if level in ("add2", "add3"):
@@ -84,12 +102,13 @@ def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
     return f"{a}+{b}", str(a + b), f"{work},\\boxed{{{a + b}}}"
   if level == "addsub2":
     a, b, c = operands
-    work = ",".join(str(s) for s in column_sums(a, b))
-    return f"{a}+{b}-{c}", str(a + b - c), f"{work},{a + b}-{c}=\\boxed{{{a + b - c}}}"
+    sums = ",".join(str(s) for s in column_sums(a, b))
+    diffs = ",".join(str(s) for s in column_differences(a + b, c))
+    return f"{a}+{b}-{c}", str(a + b - c), f"{sums},{a + b}-{c}={diffs},\\boxed{{{a + b - c}}}"
   d, x = operands
   low = d * (x % 10)
-  high = d * (x // 10) + low // 10
-  return f"{d}*{x}", str(d * x), f"{low},{high},\\boxed{{{d * x}}}"
+  tens = d * (x // 10)
+  return f"{d}*{x}", str(d * x), f"{low},{tens},{tens + low // 10},\\boxed{{{d * x}}}"
 
 
 class ArithmeticSource:
