@@ -251,6 +251,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t = time.perf_counter()
     groups = strategy.compose(plan, sampled)
     strategy.observe(plan, sampled)
+    # What the buffer now keeps joins the frozen objects after one collection of the young ones: otherwise every
+    # automatic full collection re-scans the growing buffer (+5% of ExGRPO's step time on the embedded default).
+    gc.collect()
+    gc.freeze()
     multihost.agree_phase(strategy)  # ExGRPO: replay turns on for every host at once
     time_replay += time.perf_counter() - t
 
