@@ -124,7 +124,7 @@ def test_embedded_tokenizer(embedded):
     longest_prompt = max(longest_prompt, len(prompt_ids))
     longest_completion = max(longest_completion, len(completion_ids))
   # "Q: 47+38-21\nA: " is 3 + 8 + 1 + 3 = 15. The longest completion subtracts from a 3-digit sum with two borrows,
-  # "18,13,138-79=-1,-5,0,\boxed{59}<eos>": sums 2+1+2+1, "138-79=" 6, diffs 2+1+2+1+1+1, answer 1+2+1, eos 1 = 26.
+  # "18,13,138-79=-1,-5,0,\boxed{59}<eos>": sums 2+1+2+1, "138-79=" 7, diffs 2+1+2+1+1+1, answer 1+2+1, eos 1 = 26.
   assert (longest_prompt, longest_completion) == (15, 26)
   # It is an ordinary Hugging Face tokenizer directory, cached, with no staging directory left behind.
   path = os.path.join(cache, "tokenizer-v2")

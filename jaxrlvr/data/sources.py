@@ -260,7 +260,8 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     return synthetic.ArithmeticSource(split=split, seed=seed, size=size, worked_fraction=worked_fraction)
   if worked_fraction != 1.0:
     raise DataError(f"data source {spec!r}: worked_fraction={worked_fraction} applies to the synthetic task only; "
-                    f"a dataset's solutions are what the file holds")
+                    f"a dataset's solutions are what the file holds (set data.worked_fraction=1: the tiny preset "
+                    f"defaults to 0.4 for its embedded task)")
   if not rest:
     raise DataError(f"data source {spec!r} names no path; expected e.g. 'jsonl:/data/train.jsonl'")
   if kind == "jsonl":
