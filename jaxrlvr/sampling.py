@@ -14,8 +14,9 @@ Conventions the trainer relies on:
   the stop token (max_new_tokens when none was produced).
 - Randomness: a token is drawn by inverse-CDF sampling from one uniform number; row r's numbers come from the key
   fold_in(rng, r), so a row's samples do not depend on how many padding rows the batch or the mesh added after it
-  (r is the global row: with several processes, process p's rows come after the padded rows of processes < p). Only temperature 0, top_k and whether top_p < 1 are compiled in; temperature and top_p values,
-  stop ids (up to 4 without recompiling) and pad_id are traced.
+  (r is the global row: with several processes, process p's rows come after the padded rows of processes < p).
+  Only temperature 0, top_k and whether top_p < 1 are compiled in; temperature and top_p values, stop ids (up to 4
+  without recompiling) and pad_id are traced.
 """
 from __future__ import annotations
 
