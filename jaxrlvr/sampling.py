@@ -344,7 +344,9 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     eos_ids: stop tokens (any number); pad_id fills the prompt padding and the slots after a stop.
     mesh: run sharded, the batch over ('data', 'fsdp') and KV heads over 'tensor'. With several processes (multi-host)
       each calls `generate` with its own prompts and gets its own rows back; every process must call it, with the
-      same `rng` and settings, and a mesh whose batch shards divide evenly among the processes.
+      same `rng` and settings, and a mesh whose batch shards divide evenly among the processes. On a multi-core CPU,
+      one device per core (`JAX_NUM_CPU_DEVICES=2`) and a `data` mesh over them is the fast setting: the decode
+      step's kernels are too small to be split across threads, so one device keeps one core busy.
     use_cache: False recomputes the full prefix at every step (reference and benchmark baseline).
     return_logits: also return the raw logits [B, N, V] (memory-heavy; tests and debugging).
     pad_batch_to: pad the batch to a multiple of this (besides the mesh's batch shards), so that callers whose batch

@@ -1,0 +1,26 @@
+"""The sampler benchmark runs end to end at toy sizes: two CPU devices with the batch sharded, transformers in its
+own process, and a greedy check that the same weights give the same tokens. Speed itself is not asserted here (the
+figures are measured by hand and kept in the README); this guards the code that measures them."""
+import os
+import re
+import subprocess
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_sampler_benchmark_runs_on_two_cpu_devices():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # the benchmark sets the CPU device count itself
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "sampler.py"), "--models=tiny", "--batch=4",
+             "--prompt_len=8", "--new_tokens=4", "--repeats=1", "--cpu_devices=2"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "jaxrlvr on 2 CPU device(s)" in result.stdout, result.stdout
+  row = next(line for line in result.stdout.splitlines() if line.startswith("tiny "))
+  # model, params, transformers, threads, ours, ratio, ours on 1 device, ratio, no cache, cache gain, greedy==HF
+  fields = row.split()
+  assert len(fields) == 11, row
+  assert fields[-1] == "True", f"greedy tokens differ from transformers: {row}"
+  assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[5], fields[7], fields[9])), row
+  assert "GPU section skipped" in result.stdout
