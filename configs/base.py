@@ -155,8 +155,8 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   c.log_every = 1
   c.eval_every = 2
   c.checkpoint_every = 2
-  # Cheap, not good: the smoke model rarely solves anything in 4 steps, so replay's store and sample paths are
-  # exercised by the replay unit tests (tests/test_replay_*.py), not by the smoke runs.
+  # Cheap, not good: the smoke model solves nothing in 4 steps, so a smoke run never replays. The loop with replay
+  # replaying runs in tests/test_train_replay.py (smoke configs, a coin for the verifier).
   c.warm_start.steps = 300
   c.data.eval_size = 16
   c.rollout.batch_size = 4
