@@ -39,7 +39,9 @@ fi
 [[ "$port" =~ ^[0-9]+$ ]] || { echo "local.sh: port must be a number, got '$port'" >&2; exit 2; }
 
 # Job control: each command starts as the leader of its own process group, so stopping the group also stops what
-# it started (reward workers). Its output goes through an awk that prefixes the lines; $! is the command itself.
+# it started (reward workers). Its output goes through a FIFO to an awk that prefixes the lines. The awks are jobs
+# of this script, so the final `wait` lets them print every last line (with `> >(awk ...)` the script could exit
+# first, and a loaded machine lost lines); $! of each command is the command itself.
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # mawk (Debian's default awk) reads its input in blocks: without -W interactive the prefixed lines would appear only
 # when a buffer fills or the process ends, and be lost if it hangs.
@@ -47,11 +49,15 @@ prefixer=(awk)
 if awk -W version 2>&1 | head -n 1 | grep -qi mawk; then
   prefixer=(awk -W interactive)
 fi
+fifos="$(mktemp -d "${TMPDIR:-/tmp}/local.sh.XXXXXX")" || exit 1
+trap 'rm -rf "$fifos"' EXIT
 set -m
 pids=()
 for ((i = 0; i < num; i++)); do
+  mkfifo "$fifos/$i" || exit 1
+  "${prefixer[@]}" -v prefix="[$i] " '{ print prefix $0; fflush() }' < "$fifos/$i" &
   JAXRLVR_COORDINATOR="127.0.0.1:${port}" JAXRLVR_NUM_PROCESSES="$num" JAXRLVR_PROCESS_ID="$i" \
-    "$@" < /dev/null > >("${prefixer[@]}" -v prefix="[$i] " '{ print prefix $0; fflush() }') 2>&1 &
+    "$@" < /dev/null > "$fifos/$i" 2>&1 &
   pids+=("$!")
 done
 set +m
