@@ -118,8 +118,8 @@ def get_base_config(args) -> ml_collections.ConfigDict:
     # 25-50 steps (measured with the earlier all-worked warm start: greedy accuracy 20% -> 4% from 450 steps,
     # 57% -> 45% from 600); 3e-5 held it.
     c.optim.lr = 3e-5
-    # Four micro-batches of 32 rows keep an update's activations closer to the CPU's L3; the 128-row update went
-    # 239 -> 167 ms (README, "Benchmarks"). The gradient is the same up to float rounding.
+    # Four micro-batches of 32 rows keep more of an update's activations in the CPU's L3: the 128-row update went
+    # 227 -> 189 ms (README, "Benchmarks"; 8 were no faster). The gradient is the same up to float rounding.
     c.train.num_microbatches = 4
   else:
     _paper_scale(c)
