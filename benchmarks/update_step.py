@@ -78,7 +78,7 @@ def main():
       with config.unlocked():
         config.train.num_microbatches = micro
       optimizer = step_lib.make_optimizer(config)
-      state = parallel.onto_mesh(step_lib.create_state(jax.tree.map(jnp.copy, params), optimizer, mesh), mesh)
+      state = step_lib.create_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
       update = step_lib.make_update_fn(graphdef, config, optimizer,
                                        state_sharding=jax.tree.map(lambda x: x.sharding, state),
                                        batch_sharding=parallel.batch_sharding(mesh))

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxrlvr import diagnostics
 from jaxrlvr import objectives
+from jaxrlvr import parallel
 from jaxrlvr import scoring
 
 
@@ -43,11 +44,9 @@ def create_state(params, optimizer: optax.GradientTransformation, mesh) -> Train
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   param_sharding = jax.tree.map(lambda x: x.sharding, params)
   opt_state = jax.jit(optimizer.init, in_shardings=(param_sharding,))(params)
-  # Committed, as the update's outputs are: otherwise the second update call recompiles (~5 s on the tiny default).
-  # Leaves init left on one device (counters) are not the mesh's: `parallel.onto_mesh` replicates them.
-  on_mesh = set(mesh.devices.flat)
-  opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if x.sharding.device_set == on_mesh else x,
-                           opt_state)
+  # Every leaf on the mesh (init leaves its counters on one device) and committed, as the update's outputs are:
+  # otherwise the second update call compiles again (~5 s on the tiny default).
+  opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), parallel.onto_mesh(opt_state, mesh))
   step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))  # distinct buffers: donated
   return TrainState(params=params, opt_state=opt_state, step=step, skipped=skipped)
 

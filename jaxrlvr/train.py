@@ -146,7 +146,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   logging.info("policy: %s parameters\n%s", f"{parallel.param_count(model):,}", parallel.describe_sharding(model))
   optimizer = step_lib.make_optimizer(config)
   state = step_lib.create_state(params, optimizer, mesh)
-  state = parallel.onto_mesh(state, mesh)  # optimizer counters: from one device onto the mesh, as jit needs
   state_sharding = jax.tree.map(lambda x: x.sharding, state)
   update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
                                    batch_sharding=batch_sharding)

@@ -133,7 +133,7 @@ def test_second_update_reuses_the_first_compile(devices):
   mesh = _single_device() if devices == 1 else parallel.make_mesh(data=8)
   graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
   optimizer = step_lib.make_optimizer(config)
-  state = parallel.onto_mesh(step_lib.create_state(params, optimizer, mesh), mesh)  # as the trainer does
+  state = step_lib.create_state(params, optimizer, mesh)
   update = step_lib.make_update_fn(graphdef, config, optimizer,
                                    state_sharding=jax.tree.map(lambda x: x.sharding, state),
                                    batch_sharding=parallel.batch_sharding(mesh))
