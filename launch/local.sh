@@ -44,7 +44,9 @@ fi
 # first, and a loaded machine lost lines); $! of each command is the command itself.
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # mawk (Debian's default awk) reads its input in blocks: without -W interactive the prefixed lines would appear only
-# when a buffer fills or the process ends, and be lost if it hangs.
+# when a buffer fills or the process ends, and be lost if it hangs. -W interactive also makes its stdout unbuffered,
+# and there `print` writes a line's text and its newline in two writes, which the other prefixers' lines can land
+# between; so each line goes out as one string through printf, in one write (tests/test_launch.py checks it).
 prefixer=(awk)
 if awk -W version 2>&1 | head -n 1 | grep -qi mawk; then
   prefixer=(awk -W interactive)
@@ -55,7 +57,7 @@ set -m
 pids=()
 for ((i = 0; i < num; i++)); do
   mkfifo "$fifos/$i" || exit 1
-  "${prefixer[@]}" -v prefix="[$i] " '{ print prefix $0; fflush() }' < "$fifos/$i" &
+  "${prefixer[@]}" -v prefix="[$i] " '{ printf "%s", prefix $0 "\n"; fflush() }' < "$fifos/$i" &
   JAXRLVR_COORDINATOR="127.0.0.1:${port}" JAXRLVR_NUM_PROCESSES="$num" JAXRLVR_PROCESS_ID="$i" \
     "$@" < /dev/null > "$fifos/$i" 2>&1 &
   pids+=("$!")

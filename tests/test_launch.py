@@ -1,6 +1,7 @@
 """The launchers in launch/: syntax, and each one run for real against stand-ins (trivial commands, fake
 `scontrol`/`srun`/`gcloud` on PATH) so that the environment every process receives is checked, not assumed."""
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -41,6 +42,18 @@ def test_local_starts_n_processes_with_their_ids_and_prefixes():
   assert result.returncode == 0, result.stderr
   lines = sorted(result.stdout.splitlines())
   assert lines == [f"[{i}] {i} 3 127.0.0.1:45678 cpu -" for i in range(3)]
+
+
+def test_local_keeps_each_prefixed_line_whole_when_processes_print_at_once():
+  # The prefixers share one stdout: each line must reach it in one write, or a line of one process can land inside
+  # a line of another (mawk -W interactive writes the text and the newline of `print` separately; CI saw it).
+  command = "for ((n = 0; n < 3000; n++)); do echo line $n of $JAXRLVR_PROCESS_ID; done"
+  result = _run([os.path.join(_LAUNCH, "local.sh"), "4", "--", "bash", "-c", command])
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  malformed = [line for line in lines if not re.fullmatch(r"\[(\d)\] line \d+ of \1", line)]
+  assert not malformed, malformed[:5]
+  assert sorted(lines) == sorted(f"[{i}] line {n} of {i}" for i in range(4) for n in range(3000))
 
 
 def test_local_fails_when_one_process_fails_and_stops_the_others():
