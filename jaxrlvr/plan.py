@@ -31,9 +31,9 @@ How the numbers are made
   S = bucketed prompt + max_new_tokens.
 - Gathered weights: compute-dtype copies of two layers (current and prefetched) and of the unembedding; with
   fsdp > 1, also their full-size gradients before the reduce-scatter.
-- Scoring pass (old log-probs, and reference log-probs with KL): `train.py` scores the whole update batch in one
-  forward, so one layer's forward intermediates for all rows of a device are live at once (`score_chunks` models a
-  loop that splits it; 1 is what the code does).
+- Scoring pass (old log-probs, and reference log-probs with KL): `step.make_score_fn` scores the update batch one
+  micro-batch of rows at a time, so one layer's forward intermediates for those rows of a device are live at once
+  (`score_chunks` passes; the default, num_minibatches x num_microbatches, is what the code does).
 - Sampler: every one of the B x K rollouts is sampled in one call (`rollout_chunks` models splitting it; 1 is the
   code). KV cache = L x 2 x rows x (bucketed prompt + max_new_tokens) x Kv x H x c. The prefill attends from the P
   prompt positions over all cache slots, so with attention="xla" its scores are [rows, N, P, P + T] f32.
@@ -102,6 +102,7 @@ class Workload:
   batch_shards: int  # data x fsdp
   rows: int  # rows of the global update batch (train.batch_rows)
   micro_rows: int  # one micro-batch, one device
+  score_chunks: int  # scoring passes over the update batch
   score_rows: int  # one scoring pass, one device
   rollout_rows: int  # one sampler call, one device
   prompt_len: int  # bucketed, as the sampler and the batch pad it
@@ -196,11 +197,13 @@ def batch_rows(config: Any, batch_shards: int) -> int:
   return -(-rollouts // multiple) * multiple
 
 
-def workload(config: Any, mesh_shape: Sequence[int], *, score_chunks: int = 1, rollout_chunks: int = 1,
+def workload(config: Any, mesh_shape: Sequence[int], *, score_chunks: int | None = None, rollout_chunks: int = 1,
              mesh: Any = None, mesh_kind: str | None = None) -> Workload:
   """The sizes of one RL step on a (data, fsdp, tensor) mesh; see the module docstring."""
   if len(mesh_shape) != 3 or any(int(s) < 1 for s in mesh_shape):
     raise ValueError(f"plan.py: mesh {tuple(mesh_shape)} must be three positive sizes (data, fsdp, tensor)")
+  if score_chunks is None:
+    score_chunks = config.train.num_minibatches * config.train.num_microbatches  # the code: one micro-batch a pass
   if score_chunks < 1 or rollout_chunks < 1:
     raise ValueError(f"plan.py: score_chunks={score_chunks} and rollout_chunks={rollout_chunks} must be >= 1")
   if mesh is None:
@@ -214,7 +217,7 @@ def workload(config: Any, mesh_shape: Sequence[int], *, score_chunks: int = 1, r
   return Workload(
       model=cfg, mesh_shape=tuple(int(s) for s in mesh_shape), mesh_kind=mesh_kind, batch_shards=shards, rows=rows,
       micro_rows=rows // (t.num_minibatches * t.num_microbatches * shards),
-      score_rows=-(-rows // (shards * score_chunks)),
+      score_chunks=score_chunks, score_rows=-(-rows // (shards * score_chunks)),
       rollout_rows=-(-rollouts // (shards * rollout_chunks)),
       prompt_len=bucket_length(config.data.max_prompt_len), completion_len=config.rollout.max_new_tokens,
       heads=_split("q_heads", cfg.num_heads, mesh), kv_heads=_split("kv_heads", cfg.num_kv_heads, mesh),
@@ -282,7 +285,7 @@ def _replay(config: Any, *, trajectories: int | None, tokens_per_trajectory: int
   return int(live * STORE_SLACK + trajectories * ROW_INDEX_BYTES), int(trajectories), int(tokens_per_trajectory)
 
 
-def plan_memory(config: Any, mesh_shape: Sequence[int], *, score_chunks: int = 1, rollout_chunks: int = 1,
+def plan_memory(config: Any, mesh_shape: Sequence[int], *, score_chunks: int | None = None, rollout_chunks: int = 1,
                 replay_trajectories: int | None = None, tokens_per_trajectory: int | None = None,
                 store_fraction: float = EXGRPO_STORE_FRACTION) -> dict[str, int]:
   """Bytes per device of each part of one RL step (and of the host replay buffer, over all hosts).
@@ -361,7 +364,8 @@ def _gb(x: float) -> str:
 
 
 def format_plan(config: Any, mesh_shape: Sequence[int], memory: dict[str, int], *, accelerators: Sequence[str],
-                usable_fraction: float = USABLE_FRACTION, score_chunks: int = 1, rollout_chunks: int = 1) -> str:
+                usable_fraction: float = USABLE_FRACTION, score_chunks: int | None = None,
+                rollout_chunks: int = 1) -> str:
   """The printed report: the inputs, one line per memory term (GB per device), the host buffer, the fit table."""
   w = workload(config, mesh_shape, score_chunks=score_chunks, rollout_chunks=rollout_chunks)
   m, t, mem = w.model, config.train, memory
@@ -377,7 +381,7 @@ def format_plan(config: Any, mesh_shape: Sequence[int], memory: dict[str, int], 
       f"{w.rows} rows of {w.prompt_len} + {w.completion_len} = {w.seq_len} tokens",
       f"      {_n(t.num_minibatches, 'optimizer step')} x {_n(t.num_microbatches, 'micro-batch')}: "
       f"{_n(w.micro_rows, 'row')} a device per micro-batch; scoring: {_n(w.score_rows, 'row')} a device "
-      f"per pass, {_n(score_chunks, 'pass')}; sampler: {_n(w.rollout_rows, 'row')} a device per call, "
+      f"per pass, {_n(w.score_chunks, 'pass')}; sampler: {_n(w.rollout_rows, 'row')} a device per call, "
       f"{_n(rollout_chunks, 'call')}",
       "",
       f"{'per device':<46}{'GB':>9}",
@@ -455,7 +459,7 @@ def main(argv: Sequence[str]) -> None:
     mesh_shape = config_lib.mesh_shape(config.mesh, _NUM_DEVICES.value)
   config_lib.validate(config, num_devices=math.prod(mesh_shape))
   accelerators = sorted(ACCELERATORS) if _ACCELERATOR.value == "all" else [_ACCELERATOR.value]
-  kwargs = dict(score_chunks=_SCORE_CHUNKS.value, rollout_chunks=_ROLLOUT_CHUNKS.value)
+  kwargs = dict(score_chunks=_SCORE_CHUNKS.value or None, rollout_chunks=_ROLLOUT_CHUNKS.value)
   memory = plan_memory(
       config, mesh_shape, **kwargs,
       replay_trajectories=None if _REPLAY_TRAJECTORIES.value < 0 else _REPLAY_TRAJECTORIES.value,
@@ -477,7 +481,8 @@ if __name__ == "__main__":
   _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices to resolve a -1 in config.mesh when --mesh is empty.")
   _ACCELERATOR = flags.DEFINE_enum("accelerator", "all", ["all", *sorted(ACCELERATORS)], "Accelerator to check.")
   _USABLE = flags.DEFINE_float("usable_fraction", USABLE_FRACTION, "Share of device memory the plan may use.")
-  _SCORE_CHUNKS = flags.DEFINE_integer("score_chunks", 1, "Passes the old-log-prob scoring is split into (code: 1).")
+  _SCORE_CHUNKS = flags.DEFINE_integer("score_chunks", 0, "Passes the old-log-prob scoring is split into; 0: the "
+                                       "code's, num_minibatches x num_microbatches.")
   _ROLLOUT_CHUNKS = flags.DEFINE_integer("rollout_chunks", 1, "Sampler calls a step's rollouts are split into "
                                          "(code: 1).")
   _REPLAY_TRAJECTORIES = flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")

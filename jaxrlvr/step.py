@@ -16,6 +16,7 @@ The PPO ratio of a fresh token is against old_logp; a replayed token's ratio is 
 corrects delayed-policy rollouts (BAPO) and sampler/trainer mismatch.
 """
 import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -170,16 +171,20 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
                  donate_argnums=(0,))
 
 
-def make_score_fn(graphdef, *, temperature: float, batch_sharding, num_chunks: int = 1):
+def make_score_fn(graphdef, *, temperature: float, batch_sharding, max_chunk_rows: int = 0):
   """Jitted (params, batch) -> completion (log-probs, entropies) [R, T]: old log-probs and ExGRPO's answer entropy.
 
-  The rows are scored `num_chunks` at a time (the update's micro-batch count), so the forward pass never holds more
-  activations than one micro-batch of the update does.
+  The rows are scored at most `max_chunk_rows` at a time (the update's micro-batch rows; 0: all at once), so the
+  forward pass never holds more activations than one micro-batch of the update does, while a batch that small (ExGRPO's
+  stored answers, a handful of rows) is one pass rather than a fixed number of tiny ones.
   """
+  mesh = batch_sharding.mesh
+  row_shards = math.prod(mesh.shape[a] for a in jax.tree.leaves(batch_sharding.spec[0]))
 
   def score(params, batch):
     model = nnx.merge(graphdef, params)
     rows = batch["input_ids"].shape[0]
+    num_chunks = _num_score_chunks(rows, max_chunk_rows, row_shards)
     chunks = jax.tree.map(lambda x: _split_rows(x, 1, num_chunks)[0], batch)  # [n, R / n, ...]
 
     def score_chunk(chunk):
@@ -192,3 +197,14 @@ def make_score_fn(graphdef, *, temperature: float, batch_sharding, num_chunks: i
     return unsplit(logp), unsplit(entropy)
 
   return jax.jit(score, in_shardings=(None, batch_sharding), out_shardings=batch_sharding)
+
+
+def _num_score_chunks(rows: int, max_chunk_rows: int, row_shards: int) -> int:
+  """The fewest chunks of at most `max_chunk_rows` rows that still split every device's rows evenly."""
+  if rows % row_shards:
+    raise ValueError(f"score: {rows} rows do not split over the {row_shards} batch shards of the mesh")
+  if not max_chunk_rows or rows <= max_chunk_rows:
+    return 1
+  per_shard = rows // row_shards  # each chunk takes per_shard / n rows from every shard's block (see _split_rows)
+  fewest = min(-(-rows // max_chunk_rows), per_shard)  # a chunk has at least one row per shard
+  return next(n for n in range(fewest, per_shard + 1) if per_shard % n == 0)

@@ -137,8 +137,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   completion_len = config.rollout.max_new_tokens
   rows = batch_rows(config, batch_shards, num_hosts)
   host_rows = rows // num_hosts  # this host's piece of every update batch
-  # The scorer's chunks split evenly over the batch shards when a host's rows are a multiple of this.
-  score_granule = config.train.num_minibatches * config.train.num_microbatches * (batch_shards // num_hosts)
+  micro_rows = rows // (config.train.num_minibatches * config.train.num_microbatches)  # rows of one micro-batch
 
   # ------------------------------------------------------------------------------------------------ Model
   model, model_config = build_policy(config, mesh, book)
@@ -150,8 +149,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
                                    batch_sharding=batch_sharding)
   score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature or 1.0,
-                                 batch_sharding=batch_sharding,
-                                 num_chunks=config.train.num_minibatches * config.train.num_microbatches)
+                                 batch_sharding=batch_sharding, max_chunk_rows=micro_rows)
   reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
 
   # ------------------------------------------------------------------------------------------------ Replay, rewards
@@ -229,7 +227,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if num_answers:
       entropy_batch, owners = rollout.answer_entropy_batch(
           book, plan.score_requests, prompt_len=prompt_len, completion_len=completion_len,
-          rows=_entropy_rows(num_answers, score_granule), pad_id=sampler.pad_id)
+          rows=_entropy_rows(num_answers, batch_shards // num_hosts), pad_id=sampler.pad_id)
       _, entropies = score(state.params, parallel.shard_batch(entropy_batch, mesh))
       if plan.score_requests:
         plan = strategy.select(plan, rollout.mean_entropies(
@@ -350,8 +348,9 @@ def _log_host_row(step: int, row: dict, num_hosts: int) -> None:
 
 
 def _entropy_rows(n: int, granule: int) -> int:
-  """Rows of the batch that scores n stored answers: the next power of two (at least `granule`, then a multiple of
-  it), so the pass costs about what the answers do while the scorer compiles for a handful of shapes only."""
+  """Rows of the batch that scores n stored answers: the next power of two (at least `granule`, this host's batch
+  shards, then a multiple of it), so the pass costs about what the answers do while the scorer compiles for a handful
+  of shapes only."""
   rows = max(granule, 1 << max(n - 1, 0).bit_length())
   return -(-rows // granule) * granule
 

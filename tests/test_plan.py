@@ -108,14 +108,18 @@ def test_fits_rule_and_errors():
     plan.fits({"peak": 1}, "h100", usable_fraction=1.5)
 
 
-def test_paper_setting_fits_only_once_scoring_and_rollouts_are_split(paper_plan):
-  # As the code stands (xla attention, the whole batch scored in one pass): nothing fits.
+def test_paper_setting_fits_only_once_rollouts_are_split(paper_plan):
+  # As the code stands (xla attention, one sampler call): nothing fits, and the sampler's prefill sets the peak.
   assert not any(plan.fits(paper_plan, name) for name in plan.ACCELERATORS)
-  assert paper_plan["peak"] == paper_plan["score_peak"]
+  assert paper_plan["peak"] == paper_plan["rollout_peak"] > paper_plan["score_peak"]
+  # The scorer takes one micro-batch of rows a pass (2 x 16 passes); the whole batch in one pass would not fit.
+  assert paper_plan == plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1), score_chunks=32)
+  one_pass = plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1), score_chunks=1)
+  assert one_pass["peak"] == one_pass["score_peak"] > 20 * paper_plan["score_peak"]
   config = exgrpo.get_config(_7B)
   config.unlock()
   config.model.attention = "cudnn"
-  split = plan.plan_memory(config, (1, 8, 1), score_chunks=32, rollout_chunks=2)
+  split = plan.plan_memory(config, (1, 8, 1), rollout_chunks=2)
   assert plan.fits(split, "h100") and not plan.fits(split, "v5e")
 
 
@@ -159,11 +163,12 @@ def test_cli_prints_the_plan_for_the_7b_config():
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   result = subprocess.run(
       [sys.executable, "-m", "jaxrlvr.plan", f"--config=configs/exgrpo.py:{_7B}", "--mesh=1,8,1",
-       "--accelerator=h100", "--config.model.attention=cudnn", "--score_chunks=32", "--rollout_chunks=2"],
+       "--accelerator=h100", "--config.model.attention=cudnn", "--rollout_chunks=2"],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
   assert "7,615,616,512 parameters" in out
   assert "parameters                                       3.81" in out  # 3,808,974,848 bytes
   assert "KV cache (64 rows x 9216 slots)                 33.82" in out  # half of 67.65 GB: 2 sampler calls
+  assert "4 rows a device per pass, 32 passes" in out  # the scorer's default: one micro-batch a pass
   assert "NVIDIA H100 80GB" in out and "yes" in out and "v5e" not in out

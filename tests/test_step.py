@@ -141,3 +141,26 @@ def test_second_update_reuses_the_first_compile(devices):
   for _ in range(3):
     state, _ = update(state, batch)
   assert update._cache_size() == 1  # pylint: disable=protected-access
+
+
+def test_score_chunks_take_at_most_a_micro_batch_and_split_every_shard_evenly():
+  assert step_lib._num_score_chunks(128, 32, 8) == 4  # the update batch: one micro-batch a pass
+  assert step_lib._num_score_chunks(16, 32, 8) == 1  # a few stored answers: one pass, not 4 tiny ones
+  assert step_lib._num_score_chunks(48, 32, 8) == 2  # 6 rows a shard: 2 chunks of 3 each
+  assert step_lib._num_score_chunks(40, 16, 8) == 5  # 5 rows a shard: 3 and 4 do not divide it
+  assert step_lib._num_score_chunks(8, 2, 8) == 1  # a chunk holds at least one row of every shard
+  assert step_lib._num_score_chunks(64, 0, 8) == 1  # 0: no limit
+  with pytest.raises(ValueError, match="12 rows do not split over the 8 batch shards"):
+    step_lib._num_score_chunks(12, 8, 8)
+
+
+@pytest.mark.parametrize("max_chunk_rows", [0, 8, 4])
+def test_chunked_scoring_equals_one_pass(max_chunk_rows):
+  mesh = parallel.make_mesh(2, 2, 2)  # 4 batch shards of 4 rows: 16 rows in 1, 2 or 4 passes
+  graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
+  batch = parallel.shard_batch(_batch(), mesh)
+  one_pass = step_lib.make_score_fn(graphdef, temperature=0.7, batch_sharding=parallel.batch_sharding(mesh))
+  chunked = step_lib.make_score_fn(graphdef, temperature=0.7, batch_sharding=parallel.batch_sharding(mesh),
+                                   max_chunk_rows=max_chunk_rows)
+  for want, got in zip(one_pass(params, batch), chunked(params, batch)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
