@@ -68,6 +68,9 @@ def main():
   for method, row in summary.items():
     print(f"{method:8s} " + " ".join(f"{row[k]:12.4f}" for k in _SPLIT) + f"  {row['wall_per_step']:9.4f}"
           f"  {row['replay/replayed_share']:.2f}")
+  # Run by run, in the order they ran: a run that another job on the machine slowed shows here.
+  for method, runs in results.items():
+    print(f"{method:8s} median step of each run: " + " ".join(f"{r['time/step_s']:.4f}" for r in runs))
   overhead = summary["exgrpo"]["time/step_s"] / summary["grpo"]["time/step_s"] - 1
   wall = summary["exgrpo"]["wall_per_step"] / summary["grpo"]["wall_per_step"] - 1
   print(f"\nExGRPO step-time overhead over GRPO: {100 * overhead:+.1f}% median step, {100 * wall:+.1f}% wall clock "
