@@ -43,13 +43,18 @@ class TrainState:
 def create_state(params, optimizer: optax.GradientTransformation, mesh) -> TrainState:
   """A fresh TrainState on `mesh`: optimizer moments sharded like their parameters, counters replicated."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))  # distinct buffers: donated
+  return TrainState(params=params, opt_state=init_optimizer_state(params, optimizer, mesh), step=step,
+                    skipped=skipped)
+
+
+def init_optimizer_state(params, optimizer: optax.GradientTransformation, mesh) -> optax.OptState:
+  """`optimizer.init(params)` placed as a jitted step returns it: moments sharded like their parameters, counters
+  replicated over `mesh`, every leaf committed. Otherwise (init leaves its counters uncommitted on one device) the
+  step's second call compiles again: ~5 s on the tiny default, ~1 s in the warm start."""
   param_sharding = jax.tree.map(lambda x: x.sharding, params)
   opt_state = jax.jit(optimizer.init, in_shardings=(param_sharding,))(params)
-  # Every leaf on the mesh (init leaves its counters on one device) and committed, as the update's outputs are:
-  # otherwise the second update call compiles again (~5 s on the tiny default).
-  opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), parallel.onto_mesh(opt_state, mesh))
-  step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))  # distinct buffers: donated
-  return TrainState(params=params, opt_state=opt_state, step=step, skipped=skipped)
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding), parallel.onto_mesh(opt_state, mesh))
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:

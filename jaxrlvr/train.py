@@ -85,7 +85,7 @@ def build_policy(config, mesh, book: rollout.PromptBook):
         model, model_config, tokenizer, pairs, task=config.data.source, steps=config.warm_start.steps,
         lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
         prompt_len=config.data.max_prompt_len, completion_len=config.rollout.max_new_tokens,
-        cache_dir=config.warm_start.cache_dir, mesh=mesh, batch_sharding=parallel.batch_sharding(mesh))
+        cache_dir=config.warm_start.cache_dir, mesh=mesh)
   return model, model_config
 
 

@@ -63,26 +63,35 @@ def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, prom
   return {"input_ids": ids, "attention_mask": mask, "completion_mask": completion_mask}
 
 
-def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, seed: int, prompt_len: int,
-                     completion_len: int, pad_id: int, batch_sharding=None, log_every: int = 100):
-  """AdamW (linear warm-up, cosine decay to lr/10) on the mean negative log-likelihood of the completion tokens."""
-  graphdef, params = nnx.split(model)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(steps // 10, 1)), max(steps, 2), lr / 10)
-  optimizer = optax.adamw(schedule, weight_decay=0.0)
-  opt_state = optimizer.init(params)
-  if batch_sharding is not None:  # the step counter starts on one device; jit needs every argument on the mesh
-    opt_state = parallel.onto_mesh(opt_state, batch_sharding.mesh)
+def make_sft_step(graphdef, optimizer: optax.GradientTransformation, *, param_sharding, opt_sharding, batch_sharding):
+  """Jitted (params, opt_state, batch) -> (params, opt_state, loss): one step on the mean negative log-likelihood of
+  the completion tokens. Its outputs keep the placement of its inputs, so every call reuses the first compile."""
 
   def loss_fn(params, batch):
     logp, _ = step_lib.completion_logprobs(nnx.merge(graphdef, params), batch, 1.0)
     mask = batch["completion_mask"]
     return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-  @jax.jit
   def train_step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(train_step, in_shardings=(param_sharding, opt_sharding, batch_sharding),
+                 out_shardings=(param_sharding, opt_sharding, None))
+
+
+def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, seed: int, prompt_len: int,
+                     completion_len: int, pad_id: int, batch_sharding, log_every: int = 100):
+  """AdamW (linear warm-up, cosine decay to lr/10) on the mean negative log-likelihood of the completion tokens; the
+  model's parameters live on `batch_sharding.mesh`."""
+  graphdef, params = nnx.split(model)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(steps // 10, 1)), max(steps, 2), lr / 10)
+  optimizer = optax.adamw(schedule, weight_decay=0.0)
+  opt_state = step_lib.init_optimizer_state(params, optimizer, batch_sharding.mesh)
+  train_step = make_sft_step(graphdef, optimizer, param_sharding=jax.tree.map(lambda x: x.sharding, params),
+                             opt_sharding=jax.tree.map(lambda x: x.sharding, opt_state),
+                             batch_sharding=batch_sharding)
 
   rng = np.random.default_rng(seed)
   start = time.time()
@@ -90,8 +99,7 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
     rows = rng.choice(len(pairs), size=batch_size, replace=len(pairs) < batch_size)
     batch = pack_sequences([pairs[r] for r in rows], prompt_len=prompt_len, completion_len=completion_len,
                            pad_id=pad_id)
-    if batch_sharding is not None:
-      batch = parallel.put_global(batch, batch_sharding)  # the same batch on every process
+    batch = parallel.put_global(batch, batch_sharding)  # the same batch on every process
     params, opt_state, loss = train_step(params, opt_state, batch)
     if jax.process_count() > 1:
       # Several CPU processes: steps queued ahead deadlock XLA's CPU collectives (a device's worker waits to start
@@ -103,8 +111,7 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
 
 
 def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps: int, lr: float, batch_size: int,
-                      seed: int, prompt_len: int, completion_len: int, cache_dir: str, mesh=None,
-                      batch_sharding=None):
+                      seed: int, prompt_len: int, completion_len: int, cache_dir: str, mesh):
   """The warm-started model, trained once and then loaded from `cache_dir/<key>` (an HF checkpoint directory)."""
   key = cache_key(model_config, tokenizer, pairs, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
   path = os.path.join(cache_dir or default_cache_dir(), key)
@@ -115,7 +122,7 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
     logging.info("warm start: training %d supervised steps (cache %s)", steps, path)
     model = train_supervised(model, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
                              prompt_len=prompt_len, completion_len=completion_len, pad_id=tokenizer.pad_token_id,
-                             batch_sharding=batch_sharding)
+                             batch_sharding=parallel.batch_sharding(mesh))
     if multihost.is_main():
       # Write beside the target and rename, so a killed run never leaves a half-written cache entry.
       os.makedirs(os.path.dirname(path), exist_ok=True)
