@@ -197,10 +197,10 @@ def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"{r['name']:<8} {r['params']:>11,} {r['hf']:13.0f} {r['hf_threads']:>9} {r['ours']:10.0f} "
           f"{r['ours'] / r['hf']:6.2f}x {r['ours_one_device']:10.0f} {r['ours_one_device'] / r['hf']:6.2f}x "
           f"{uncached:>10} {gain:>11} {str(r['greedy_agrees']):>11}")
-  print("medians: " + "; ".join(f"{r['name']}: transformers {r['hf_median']:.0f}, jaxrlvr {r['ours_median']:.0f} "
-                                f"({r['ours_median'] / r['hf_median']:.2f}x), 1 device "
-                                f"{r['ours_one_device_median']:.0f} ({r['ours_one_device_median'] / r['hf_median']:.2f}x)"
-                                for r in rows))
+  print("medians: " + "; ".join(
+      f"{r['name']}: transformers {r['hf_median']:.0f}, jaxrlvr {r['ours_median']:.0f} "
+      f"({r['ours_median'] / r['hf_median']:.2f}x), 1 device "
+      f"{r['ours_one_device_median']:.0f} ({r['ours_one_device_median'] / r['hf_median']:.2f}x)" for r in rows))
 
 
 def gpu_section(args: argparse.Namespace) -> None:

@@ -38,7 +38,8 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.mesh.tensor = 1
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "synthetic:arithmetic"  # synthetic:arithmetic | jsonl:PATH | parquet:PATH | tfds:NAME:SPLIT | hf_disk:PATH
+  # synthetic:arithmetic | jsonl:PATH | parquet:PATH | tfds:NAME:SPLIT | hf_disk:PATH
+  c.data.source = "synthetic:arithmetic"
   c.data.eval_source = ""  # empty: the held-out split of the synthetic task
   c.data.question_field = "question"
   c.data.answer_field = "answer"

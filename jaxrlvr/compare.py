@@ -167,7 +167,8 @@ def summarize(runs: Sequence[RunData], *, budget_tokens: float | None = None, ba
     raise ValueError("summarize: no runs")
   baseline = runs[0].method if baseline is None else baseline
   if baseline not in {r.method for r in runs}:
-    raise ValueError(f"summarize: baseline method {baseline!r} has no runs; methods: {sorted({r.method for r in runs})}")
+    methods = sorted({r.method for r in runs})
+    raise ValueError(f"summarize: baseline method {baseline!r} has no runs; methods: {methods}")
   budget = min(r.total_tokens for r in runs) if budget_tokens is None else float(budget_tokens)
   short = [f"{r.name} ({r.total_tokens:.0f})" for r in runs if r.total_tokens < budget]
   if short:
@@ -241,21 +242,22 @@ def write_results(summary: Summary, outdir: str, *, command: str = "", wall_s: f
             "sharing the machine (--parallel), so compare it within this table. Entries are the mean ± the "
             "half-width of the 95% t-interval over seeds (none with one seed).", ""]
   lines += [f"Paired columns: the gain is each run's accuracy at the budget minus its own accuracy at step 0; "
-            f"`- {summary.baseline}` is the difference to the {summary.baseline} run of the same seed (same warm start, "
-            "same held-out questions), then averaged over seeds.", ""]
+            f"`- {summary.baseline}` is the difference to the {summary.baseline} run of the same seed (same warm "
+            "start, same held-out questions), then averaged over seeds.", ""]
   lines += ["| method | seeds | " + " | ".join(t.format(b=summary.baseline) for _, t, _ in _TABLE) + " |",
             "|---|---|" + "---|" * len(_TABLE)]
   for m in summary.methods:
     cells = ["baseline" if "vs_baseline" in k and m["method"] == summary.baseline else
              _pm(m[f"{k}_mean"], m[f"{k}_ci95"], d) for k, _, d in _TABLE]
     lines.append(f"| {m['method']} | {m['seeds']} | " + " | ".join(cells) + " |")
-  lines += ["", "## Runs", "", f"| run | accuracy at step 0 | accuracy at budget | gain | accuracy - {summary.baseline} "
+  lines += ["", "## Runs", "",
+            f"| run | accuracy at step 0 | accuracy at budget | gain | accuracy - {summary.baseline} "
             "| AUC | step time (s) | steps to budget | steps run | tokens generated |",
             "|---|---|---|---|---|---|---|---|---|---|"]
   for r in summary.runs:
-    lines.append(f"| {r['run']} | {r['initial_accuracy']:.3f} | {r['final_accuracy']:.3f} | {r['accuracy_gain']:+.3f} | "
-                 f"{r['accuracy_vs_baseline']:+.3f} | {r['auc']:.3f} | {r['step_time_s']:.2f} | "
-                 f"{r['steps_at_budget']} | {r['total_steps']} | {r['total_tokens']:,.0f} |")
+    lines.append(f"| {r['run']} | {r['initial_accuracy']:.3f} | {r['final_accuracy']:.3f} | "
+                 f"{r['accuracy_gain']:+.3f} | {r['accuracy_vs_baseline']:+.3f} | {r['auc']:.3f} | "
+                 f"{r['step_time_s']:.2f} | {r['steps_at_budget']} | {r['total_steps']} | {r['total_tokens']:,.0f} |")
   if missing:
     lines += ["", f"Not included (no finished metrics): {', '.join(missing)}."]
   if plots:

@@ -70,8 +70,9 @@ def build_policy(config, mesh, book: rollout.PromptBook):
                                   compute_dtype=config.model.compute_dtype, mesh=mesh, remat=config.model.remat,
                                   attention=config.model.attention)
   model_config = models.get_preset(config.model.preset)
-  model_config = dataclasses.replace(model_config, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                                      remat=config.model.remat, attention=config.model.attention)
+  model_config = dataclasses.replace(model_config, param_dtype=config.model.param_dtype,
+                                     compute_dtype=config.model.compute_dtype, remat=config.model.remat,
+                                     attention=config.model.attention)
   tokenizer = book.tokenizer
   if len(tokenizer) > model_config.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model preset {config.model.preset!r} has "

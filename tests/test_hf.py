@@ -22,7 +22,8 @@ _HF_CONFIGS = {
     "qwen2_untied": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False),
     # theta 500000, head_dim 8: wavelengths 6.3, 167, 4443, 1.2e5 against the llama3 band [64, 256] of an original
     # length 256, so one frequency each is kept, smoothed and divided by the factor.
-    "llama3_scaled": lambda: transformers.LlamaConfig(**_COMMON, head_dim=8, tie_word_embeddings=False, rope_parameters={
+    "llama3_scaled": lambda: transformers.LlamaConfig(**_COMMON, head_dim=8, tie_word_embeddings=False,
+                                                      rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
     # head_dim 16 differs from hidden / heads = 8, as in the real Qwen3 models.

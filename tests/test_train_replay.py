@@ -2,8 +2,9 @@
 
 The smoke model solves nothing in a few steps, so a smoke run never stores anything and never replays. Here the
 verifier is replaced by a biased coin fixed by each completion's text (about a quarter of the rollouts are
-"correct"), so groups are mixed, and some all wrong, from the first step: the buffer fills, replayed questions and rollouts enter the batch, and the
-update's replayed-token path and the buffer's checkpoint run inside the real loop on the 8-device test mesh.
+"correct"), so groups are mixed, and some all wrong, from the first step: the buffer fills, replayed questions and
+rollouts enter the batch, and the update's replayed-token path and the buffer's checkpoint run inside the real loop on
+the 8-device test mesh.
 """
 import importlib
 import json

@@ -269,7 +269,8 @@ def _write_safetensors(file: str, specs: list[tuple], *, metadata: dict[str, str
   header, offset = {}, 0
   for name, shape, dtype, _ in specs:
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    header[name] = {"dtype": _ST_NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    header[name] = {"dtype": _ST_NAMES[np.dtype(dtype)], "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
   header["__metadata__"] = metadata
   blob = json.dumps(header, separators=(",", ":")).encode()
