@@ -162,6 +162,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """How many pieces `batch_sharding` cuts the batch dimension into: data x fsdp."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 

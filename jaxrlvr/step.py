@@ -16,7 +16,6 @@ The PPO ratio of a fresh token is against old_logp; a replayed token's ratio is 
 corrects delayed-policy rollouts (BAPO) and sampler/trainer mismatch.
 """
 import functools
-import math
 from typing import Any
 
 import flax.struct
@@ -183,8 +182,7 @@ def make_score_fn(graphdef, *, temperature: float, batch_sharding, max_chunk_row
   forward pass never holds more activations than one micro-batch of the update does, while a batch that small (ExGRPO's
   stored answers, a handful of rows) is one pass rather than a fixed number of tiny ones.
   """
-  mesh = batch_sharding.mesh
-  row_shards = math.prod(mesh.shape[a] for a in jax.tree.leaves(batch_sharding.spec[0]))
+  row_shards = parallel.batch_shards(batch_sharding.mesh)
 
   def score(params, batch):
     model = nnx.merge(graphdef, params)

@@ -97,7 +97,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   config_lib.validate(config, num_devices=num_devices)
   mesh = parallel.make_mesh(*config_lib.mesh_shape(config.mesh, num_devices))
   batch_sharding = parallel.batch_sharding(mesh)
-  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_shards = parallel.batch_shards(mesh)
   num_hosts, host_id = jax.process_count(), jax.process_index()
   host_batch = host_batch_size(config, num_hosts)
   is_main = multihost.is_main()

@@ -51,7 +51,7 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     # Each replayed question brings one stored answer, chosen by the entropy pass over its stored answers.
     assert all(r["replay/replay_questions"] > 0 and r["replay/scored_answers"] >= r["replay/replay_questions"]
                for r in steps[1:]), [(r["replay/replay_questions"], r["replay/scored_answers"]) for r in steps]
-  # The checkpoint holds the non-empty buffer.
+  # The run saved its config and a checkpoint of the last step (whose host state holds the buffer).
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["replay"]["name"] == method
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
