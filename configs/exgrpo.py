@@ -17,10 +17,17 @@ Where the paper and its released code differ (the defaults follow the released c
 - Bucket weights: `replay.bucket_scale="count"` (code: N(k; K/2, sigma) in counts, sharply peaked) or
   `"accuracy"` (paper text: N(k/K; 0.5, sigma) in accuracy units, nearly uniform at sigma=1); `replay.bucket_sigma`.
 - Clipping once replay is on: `loss.mixed_clip=False` (code: fresh tokens unclipped in the mixed phase) or `True`
-  (paper eq. 4 keeps CLIP for fresh tokens). Replayed tokens are always shaped and never clipped.
+  (paper eq. 4 keeps CLIP for fresh tokens). Replayed tokens are always shaped (`loss.shaping_beta=0.1`; 0 turns
+  shaping off and treats them like fresh tokens, the no-shaping ablation) and never clipped. The phase a batch is
+  trained in is the one it was planned in: the step whose solve rate turns replay on is still clipped.
 - Loss normalisation: `loss.aggregation="dr_grpo"` (sum / (N x L) over the global batch; invariant to micro-batching)
-  or `"exgrpo_reference"` (sum / L, what the code does per micro-batch; the code's result then depends on padding and
-  gradient accumulation, which we do not reproduce).
+  or `"exgrpo_reference"`, what the released code computes: each data-parallel rank divides every micro-batch's
+  token sum by the response width and by the gradient-accumulation divisor, and the ranks' gradients are averaged,
+  i.e. (global sum) / (W x R x D) with R the mesh's batch shards (data x fsdp; verl's FSDP ranks). Two details the
+  code leaves to its padding and batching, as switches: `loss.reference_width="max_len"` (W = L: verl pads every
+  response to the length cap) or `"padded"` (the batch's padded completion width); `loss.reference_divisor=0` (D =
+  `train.num_microbatches`) or a fixed D (the script's ppo_mini_batch / ppo_micro_batch_size_per_gpu, which the
+  code divides by even when dynamic batching makes the real micro-batch count differ).
 - Entropy bonus: `loss.entropy_coef` (0.001 in the code's table at paper scale; absent from eq. 4).
 - Gradient: clip to `optim.grad_clip=1.0` and skip the update when the pre-clip norm exceeds
   `optim.skip_grad_norm=500` or is not finite (code only).
@@ -52,6 +59,7 @@ def get_config(arg: str | None = None):
   config.replay.bucket_scale = "count"
   config.replay.start_solve_rate = 0.35  # replay turns on (for good) once the batch solve rate exceeds this
   config.replay.max_tokens = 0  # memory cap in stored tokens; 0: none
+  config.loss.shaping_beta = 0.1  # f(w) = w / (w + beta) on replayed tokens (ExGRPO's alone; other methods clip)
   if args.smoke:
     config.replay.start_solve_rate = 0.0  # replay from the first step, so CI goes through every path
   return config_lib.finalize(config)

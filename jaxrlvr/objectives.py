@@ -34,6 +34,7 @@ Array = jax.Array
 
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "dr_grpo", "exgrpo_reference")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+REFERENCE_WIDTHS = ("max_len", "padded")
 # log-ratios are clamped to +-20 before exp, as verl's compute_policy_loss does: exp(20) ~ 4.9e8 is still finite, so
 # the gradient of the branch `jnp.where` does not pick can never be inf (0 * inf = nan in the backward pass).
 MAX_LOG_RATIO = 20.0
@@ -74,7 +75,9 @@ def group_advantages(rewards: Any, *, scale_by_std: bool = False, eps: float = 1
 
   rewards: [G, K]. Returns [G, K] in a float dtype (integer rewards become float32).
   scale_by_std=False is Dr.GRPO (the default; no bias toward easy or hard groups); True is classic GRPO. The std is
-  the unbiased sample std (ddof=1, what `torch.std` and so verl and TRL use). A group of one sample, or whose rewards
+  the unbiased sample std (ddof=1, what `torch.std` and so verl and TRL use); it is the package's one convention
+  for a group's std (the host-side `replay.base.group_std`, ExpRL's outcome advantages and advantage-priority's
+  `group_std` priority use it too). A group of one sample, or whose rewards
   are all equal, gets advantage 0 in both cases.
   mask: optional [G, K] bool; samples with mask False (e.g. an ExpRL judge score that did not parse) are left out of
   their group's mean and std and get advantage 0.
@@ -218,27 +221,39 @@ def kl_penalty(logp: Any, ref_logp: Any, *, estimator: str = "k3") -> Array:
 # Aggregation: per-token loss -> scalar, with a normaliser that belongs to the whole global batch.
 
 
-def loss_normalizer(mask: Any, *, mode: str = "dr_grpo", max_len: int | None = None) -> Array:
+def loss_normalizer(mask: Any, *, mode: str = "dr_grpo", max_len: int | None = None, reference_ranks: int = 1,
+                    reference_divisor: int = 1) -> Array:
   """The scalar denominator of `aggregate_loss` for `mode`, computed on the GLOBAL mask [N, T] (see module doc).
 
     token-mean:           number of loss tokens (sum of the mask).
     seq-mean-token-mean,
     seq-mean-token-sum:   N, the number of sequences with at least one loss token.
     dr_grpo:              N * L.
-    exgrpo_reference:     L.
+    exgrpo_reference:     L * reference_ranks * reference_divisor.
   L = max_len (a constant from the config), or the padded width T when None. N counts sequences with a token, so a
   row that is all padding (filler rows that keep per-host shapes equal) or fully masked (a dropped group, an
   unparsable judge score) is exactly as if it were not in the batch.
+
+  exgrpo_reference is what the released ExGRPO code computes for one optimizer step: on each of R data-parallel
+  ranks, every micro-batch's token sum is divided by the response width L and by the gradient-accumulation divisor
+  D, the micro-batches of a rank add up, and the R ranks' gradients are averaged:
+      (1/R) sum_r (1/D) sum_m (sum of rank r's micro-batch m) / L  =  (global token sum) / (L * R * D).
+  With L a constant that is one scalar for the whole step. Defaults (R = D = 1) give sum / L: one micro-batch on
+  one device. The update step passes R = the mesh's batch shards and D from `loss.reference_divisor`
+  (LossSettings.normalizer_kwargs).
   """
   _check_mode(mode)
   m = jnp.asarray(mask)
   if max_len is not None and _is_number(max_len) and max_len <= 0:
     raise ValueError(f"jaxrlvr/objectives.py: max_len (loss.max_len) must be > 0 or None, got {max_len}")
+  if reference_ranks < 1 or reference_divisor < 1:
+    raise ValueError(f"jaxrlvr/objectives.py: reference_ranks ({reference_ranks}) and reference_divisor "
+                     f"({reference_divisor}) must be >= 1")
   length = m.shape[-1] if max_len is None else max_len
   if mode == "token-mean":
     return m.astype(jnp.float32).sum()
   if mode == "exgrpo_reference":
-    return jnp.asarray(length, jnp.float32)
+    return jnp.asarray(length * reference_ranks * reference_divisor, jnp.float32)
   n_seq = jnp.any(m != 0, axis=-1).sum().astype(jnp.float32)
   return n_seq * length if mode == "dr_grpo" else n_seq
 
@@ -251,9 +266,9 @@ def aggregate_loss(per_token: Any, mask: Any, *, mode: str = "dr_grpo", max_len:
     seq-mean-token-mean:  (1/N) sum_n (sum_t m*l / sum_t m)      (rows without tokens add 0).
     seq-mean-token-sum:   (1/N) sum_n sum_t m*l.
     dr_grpo:              sum_{n,t} m*l / (N * L)                (the default; Dr.GRPO).
-    exgrpo_reference:     sum_{n,t} m*l / L                      (the released ExGRPO code, for reproduction; it also
-                          divides by the padded width of each micro-batch and by the accumulation count, which makes
-                          its gradient depend on padding and micro-batching; this mode does neither).
+    exgrpo_reference:     sum_{n,t} m*l / L                      (the released ExGRPO code on one micro-batch and one
+                          device; over micro-batches and devices the step passes the normaliser L * R * D that
+                          reproduces the code's per-micro-batch division and rank average, see `loss_normalizer`).
   normalizer: None computes `loss_normalizer(mask, mode=mode, max_len=max_len)` from this mask, right for a whole
   batch. A micro-batch or a device shard MUST pass the normaliser of the global batch instead; then the sum of the
   micro-batch losses is the global loss (module doc). Masked tokens contribute 0 even when their loss is nan or inf.
@@ -398,10 +413,12 @@ class LossSettings:
   clip_low: float = 0.2  # epsilon_low: ratio floor 1 - clip_low
   clip_high: float = 0.2  # epsilon_high: ratio ceiling 1 + clip_high (DAPO clip-higher when != clip_low)
   dual_clip: float | None = None  # c of dual-clip PPO (> 1); config 0 means None
-  shaping_beta: float | None = 0.1  # ExGRPO beta of f(w) = w / (w + beta); config < 0 means None (replay as fresh)
+  shaping_beta: float | None = None  # ExGRPO's beta of f(w) = w / (w + beta); None (config 0): replayed as fresh
   mixed_clip: bool = False  # ExGRPO: keep clipping fresh tokens in the mixed phase (paper eq. 4); False: released code
   aggregation: str = "dr_grpo"
   max_len: int | None = None  # L of dr_grpo / exgrpo_reference; config 0 means rollout.max_new_tokens
+  reference_width: str = "max_len"  # exgrpo_reference: divide by L ("max_len") or the batch's padded width ("padded")
+  reference_divisor: int = 0  # exgrpo_reference: gradient-accumulation divisor D; 0: the step's micro-batch count
   entropy_coef: float = 0.0
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
@@ -419,19 +436,28 @@ class LossSettings:
                        f"{self.importance_cap}")
     if self.max_len is not None and self.max_len <= 0:
       raise ValueError(f"jaxrlvr/objectives.py: loss.max_len must be > 0, got {self.max_len}")
+    if self.reference_width not in REFERENCE_WIDTHS:
+      raise ValueError(f"jaxrlvr/objectives.py: loss.reference_width={self.reference_width!r} is not one of "
+                       f"{', '.join(REFERENCE_WIDTHS)}")
+    if self.reference_divisor < 0:
+      raise ValueError(f"jaxrlvr/objectives.py: loss.reference_divisor must be >= 0 (0: the micro-batch count), got "
+                       f"{self.reference_divisor}")
 
   @classmethod
   def from_config(cls, config: Any) -> "LossSettings":
     """Reads config.loss.* (and config.rollout.max_new_tokens when loss.max_len is 0)."""
     loss = config.loss
-    if loss.dual_clip < 0 or loss.importance_cap < 0 or loss.max_len < 0:
+    if loss.dual_clip < 0 or loss.importance_cap < 0 or loss.max_len < 0 or loss.shaping_beta < 0:
       raise ValueError(f"jaxrlvr/objectives.py: loss.dual_clip ({loss.dual_clip}), loss.importance_cap "
-                       f"({loss.importance_cap}) and loss.max_len ({loss.max_len}) must be >= 0 (0 means off/default)")
+                       f"({loss.importance_cap}), loss.shaping_beta ({loss.shaping_beta}) and loss.max_len "
+                       f"({loss.max_len}) must be >= 0 (0 means off/default)")
     return cls(
         scale_by_std=bool(loss.scale_by_std), clip=bool(loss.clip), clip_low=float(loss.clip_low),
         clip_high=float(loss.clip_high), dual_clip=float(loss.dual_clip) if loss.dual_clip else None,
-        shaping_beta=None if loss.shaping_beta < 0 else float(loss.shaping_beta), mixed_clip=bool(loss.mixed_clip),
+        shaping_beta=float(loss.shaping_beta) if loss.shaping_beta else None, mixed_clip=bool(loss.mixed_clip),
         aggregation=str(loss.aggregation), max_len=int(loss.max_len or config.rollout.max_new_tokens),
+        reference_width=str(loss.get("reference_width", "max_len")),
+        reference_divisor=int(loss.get("reference_divisor", 0)),
         entropy_coef=float(loss.entropy_coef), kl_coef=float(loss.kl_coef), kl_estimator=str(loss.kl_estimator),
         importance_cap=float(loss.importance_cap) if loss.importance_cap else None,
         drop_constant_groups=bool(loss.drop_constant_groups))
@@ -448,4 +474,11 @@ class LossSettings:
 
   def aggregate_kwargs(self) -> dict[str, Any]:
     """Keyword arguments of `aggregate_loss` / `loss_normalizer`."""
-    return dict(mode=self.aggregation, max_len=self.max_len)
+    padded = self.aggregation == "exgrpo_reference" and self.reference_width == "padded"
+    return dict(mode=self.aggregation, max_len=None if padded else self.max_len)
+
+  def normalizer_kwargs(self, *, num_ranks: int, num_microbatches: int) -> dict[str, Any]:
+    """Keyword arguments of `loss_normalizer` for one optimizer step of `num_microbatches` micro-batches whose rows
+    are spread over `num_ranks` data-parallel shards (only exgrpo_reference depends on them)."""
+    return dict(**self.aggregate_kwargs(), reference_ranks=num_ranks,
+                reference_divisor=self.reference_divisor or num_microbatches)

@@ -3,7 +3,8 @@
 One RL step's batch is R rollout rows of S = P + T tokens (prompt left-padded to P, completion right-padded to T).
 Inside one jit: `num_minibatches` optimizer steps, each accumulating gradients over `num_microbatches` micro-batches
 with `lax.scan`. Every loss is divided by a normaliser of the whole optimizer step's rows (objectives.loss_normalizer),
-so the gradient is the same for any micro-batch count or device count.
+so the gradient is the same for any micro-batch count or device count -- except under `exgrpo_reference`, which
+reproduces the released ExGRPO code and so, like it, scales with the micro-batch and data-parallel counts.
 
 Log-prob roles, per completion token:
   old_logp:       the trainer's own log-probs before this RL step's first optimizer step (recomputed by the loop with
@@ -78,6 +79,26 @@ def completion_logprobs(model, batch: dict, temperature: float):
   return logp[:, -num_completion:], entropy[:, -num_completion:]
 
 
+def ratio_baseline(micro: dict, settings: objectives.LossSettings) -> jax.Array:
+  """[r, T] the log-probs each token's importance ratio is taken against (see the module doc)."""
+  if settings.importance_cap is None:
+    # Fresh tokens: ratio to the trainer's old policy. Replayed tokens: ratio to the policy that wrote them.
+    return jnp.where(micro["replayed"][:, None], micro["behaviour_logp"], micro["old_logp"])
+  return micro["old_logp"]  # decoupled: ratio to pi_old, times min(pi_old / pi_behaviour, cap) in token_losses
+
+
+def token_losses(logp: jax.Array, micro: dict, settings: objectives.LossSettings) -> jax.Array:
+  """[r, T] per-token policy loss of a micro-batch as the update computes it, from its log-probs [r, T]: the
+  method's ratio baseline, clip (per row), shaping of replayed tokens and truncated importance weights."""
+  policy_kwargs = {**settings.policy_loss_kwargs(), "clip": micro["clip"]}  # per row: ExGRPO's mixed phase
+  per_token = objectives.token_policy_loss(logp, ratio_baseline(micro, settings), micro["advantages"],
+                                           replayed=micro["replayed"], **policy_kwargs)
+  if settings.importance_cap is not None:
+    per_token = per_token * objectives.truncated_importance_weights(
+        micro["old_logp"], micro["behaviour_logp"], cap=settings.importance_cap)
+  return per_token
+
+
 def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives.LossSettings,
                  temperature: float):
   """One micro-batch's share of the optimizer step's loss, and its additive diagnostics."""
@@ -85,16 +106,9 @@ def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives
   logp, entropy = completion_logprobs(model, micro, temperature)  # [r, T] each
   mask = micro["completion_mask"]
   replayed = micro["replayed"]  # [r]
-  if settings.importance_cap is None:
-    # Fresh tokens: ratio to the trainer's old policy. Replayed tokens: ratio to the policy that wrote them.
-    old_logp = jnp.where(replayed[:, None], micro["behaviour_logp"], micro["old_logp"])
-  else:
-    old_logp = micro["old_logp"]  # decoupled: ratio to pi_old, times min(pi_old / pi_behaviour, cap) below
-  policy_kwargs = {**settings.policy_loss_kwargs(), "clip": micro["clip"]}  # per row: ExGRPO's mixed phase
-  per_token = objectives.token_policy_loss(logp, old_logp, micro["advantages"], replayed=replayed, **policy_kwargs)
-  if settings.importance_cap is not None:
-    per_token = per_token * objectives.truncated_importance_weights(
-        micro["old_logp"], micro["behaviour_logp"], cap=settings.importance_cap)
+  old_logp = ratio_baseline(micro, settings)
+  policy_kwargs = {**settings.policy_loss_kwargs(), "clip": micro["clip"]}
+  per_token = token_losses(logp, micro, settings)
   aggregate = functools.partial(objectives.aggregate_loss, mask=mask, normalizer=normalizer,
                                 **settings.aggregate_kwargs())
   policy_loss = aggregate(per_token)
@@ -130,13 +144,15 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
   num_minibatches = config.train.num_minibatches
   num_micro = config.train.num_microbatches
   skip_norm = config.optim.skip_grad_norm
+  normalizer_kwargs = settings.normalizer_kwargs(num_ranks=parallel.batch_shards(batch_sharding.mesh),
+                                                 num_microbatches=num_micro)
   grad_fn = jax.grad(_policy_loss, has_aux=True)
 
   def optimizer_step(carry, minibatch):
     params, opt_state, skipped = carry
     # The normaliser belongs to the whole optimizer step: all its micro-batches, on all devices.
     mask = minibatch["completion_mask"]  # [n, r, T]
-    normalizer = objectives.loss_normalizer(mask.reshape(-1, mask.shape[-1]), **settings.aggregate_kwargs())
+    normalizer = objectives.loss_normalizer(mask.reshape(-1, mask.shape[-1]), **normalizer_kwargs)
 
     def micro_grads(micro):
       micro = jax.lax.with_sharding_constraint(micro, batch_sharding)

@@ -89,9 +89,9 @@ def test_outcome_advantages():
   rewards, keep = np.array([1.0, 0.5, 0.0, 0.25]), np.array([True, True, True, False])
   # Kept mean (1 + .5 + 0) / 3 = .5; the removed rollout gets 0 and does not move the mean.
   np.testing.assert_allclose(dense.outcome_advantages(rewards, keep), [0.5, 0.0, -0.5, 0.0])
-  # std of (1, .5, 0) = sqrt((.25 + 0 + .25) / 3) = .408248 -> .5 / .408248 = 1.224745.
+  # Sample std (ddof=1) of (1, .5, 0) = sqrt((.25 + 0 + .25) / 2) = .5 -> .5 / (.5 + 1e-6) = .999998.
   np.testing.assert_allclose(dense.outcome_advantages(rewards, keep, scale_by_std=True),
-                             [1.224745, 0.0, -1.224745, 0.0], atol=1e-5)
+                             [0.999998, 0.0, -0.999998, 0.0], atol=1e-5)
   np.testing.assert_array_equal(dense.outcome_advantages(rewards, np.zeros(4, bool)), np.zeros(4))
 
 
@@ -205,7 +205,7 @@ def test_dense_rewards_process_end_to_end():
       [4, 6, 4, 6, 4, 6, 4, 6],  # no stop token: clipped, scores 0, never judged
   ], finished=[True, True, True, False])
   judge = _ScriptedJudge()
-  out = dense.dense_rewards(judge, [group], _word_decode, reward="process", norm="end")
+  out = dense.dense_rewards(judge, [group], _word_decode, reward="process", norm="end", judging="step")
   assert len(judge.requests) == 3 + 2 + 2  # segments of the three finished rollouts
   assert judge.requests[1].answer == "good ###" and judge.requests[1].context == "ok ###"
   np.testing.assert_array_equal(out.loss_mask, [1, 1, 0, 1])
@@ -222,7 +222,8 @@ def test_dense_rewards_process_end_to_end():
   assert m["judge/score_mean"] == pytest.approx(0.75)
 
   # GroupNorm, pooled over the kept rollouts (0, 1 and the clipped 3): (.5+1+0 + 1+1 + 0*4) / 9 = 3.5/9.
-  out = dense.dense_rewards(_ScriptedJudge(), [group], _word_decode, reward="process", norm="group")
+  out = dense.dense_rewards(_ScriptedJudge(), [group], _word_decode, reward="process", norm="group",
+                            judging="step")
   mean = 3.5 / 9
   np.testing.assert_allclose(out.advantages[0, :6], np.repeat([0.5 - mean, 1.0 - mean, 0.0 - mean], 2), rtol=1e-6)
   np.testing.assert_allclose(out.advantages[3], np.full(8, -mean), rtol=1e-6)
@@ -253,7 +254,7 @@ def test_dense_reward_kwargs_from_config():
   cfg = ml_collections.ConfigDict({"reward": "process", "norm": "group", "group_mean": "rollouts",
                                    "delimiter": "###", "scale_by_std": False})
   assert dense.dense_reward_kwargs(cfg) == {"reward": "process", "norm": "group", "group_mean": "rollouts",
-                                            "delimiter": "###", "scale_by_std": False}
+                                            "delimiter": "###", "scale_by_std": False, "judging": "prefix"}
   cfg.norm = "endnorm"
   with pytest.raises(ValueError, match="exprl.norm='endnorm'"):
     dense.dense_reward_kwargs(cfg)

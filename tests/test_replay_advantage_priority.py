@@ -49,9 +49,10 @@ def test_stores_single_rollouts_with_advantage_at_birth_and_birth_step():
   s = replay.make("advantage_priority", make_test_config(batch_size=2, warmup_steps=5))
   run_step(s, 3, [[1, 0, 0, 0], [0, 0, 0, 0]])
   rows = s.store.rows()
-  # Rewards 1, 0, 0, 0: mean .25, advantages .75, -.25, -.25, -.25; reward std sqrt(.25 x .75) = .4330.
+  # Rewards 1, 0, 0, 0: mean .25, advantages .75, -.25, -.25, -.25; reward sample std (ddof=1)
+  # sqrt((.5625 + 3 x .0625) / 3) = .5.
   np.testing.assert_allclose(s.store.get("advantage", rows), [0.75, -0.25, -0.25, -0.25])
-  np.testing.assert_allclose(s.store.get("group_std", rows), 0.4330127, rtol=1e-6)
+  np.testing.assert_allclose(s.store.get("group_std", rows), 0.5, rtol=1e-6)
   assert (s.store.get("step", rows) == 3).all()
 
 
@@ -183,8 +184,9 @@ def test_group_std_and_uniform_priorities():
   s = replay.make("advantage_priority", make_test_config(batch_size=2, priority="group_std"))
   run_step(s, 0, [[1, 0, 0, 0], [1, 1, 0, 0]])
   rows = s.store.rows()
-  # group_std: the query-level signal, shared by a group's rollouts: .4330 (1 of 4) and .5 (2 of 4).
-  np.testing.assert_allclose(s.weights(s._row_signal(rows)), np.sqrt(np.repeat([0.4330137, 0.500001], 4)),
+  # group_std: the query-level signal, shared by a group's rollouts; sample std (ddof=1) .5 (1 of 4 correct) and
+  # sqrt(4 x .25 / 3) = .57735 (2 of 4); weights (std + 1e-6)^0.5.
+  np.testing.assert_allclose(s.weights(s._row_signal(rows)), np.sqrt(np.repeat([0.500001, 0.577351], 4)),
                              rtol=1e-5)
   u = replay.make("advantage_priority", make_test_config(priority="uniform"))
   np.testing.assert_array_equal(u.weights(np.array([0.0, 0.3, 5.0])), [1.0, 1.0, 1.0])

@@ -65,9 +65,10 @@ def test_scale_by_std_gives_classic_grpo_advantages():
   plan = s.plan(0, lambda n: list(range(n)))
   sampled = [Group(q, [Rollout(q, np.array([j], np.int32), np.zeros(1, np.float32), float(j < 2), 0)
                        for j in range(4)]) for q in range(6)]
-  # Rewards 1, 1, 0, 0: mean .5, std .5 -> (r - .5) / (.5 + 1e-6) = +-0.999998.
+  # Rewards 1, 1, 0, 0: mean .5, sample std (ddof=1, as objectives.group_advantages) sqrt(4 x .25 / 3) = .57735
+  # -> (r - .5) / (.57735 + 1e-6) = +-0.866024.
   adv = [r.advantage for r in s.compose(plan, sampled)[0].rollouts]
-  np.testing.assert_allclose(adv, [0.999998, 0.999998, -0.999998, -0.999998], rtol=1e-6)
+  np.testing.assert_allclose(adv, [0.866024, 0.866024, -0.866024, -0.866024], rtol=1e-6)
 
 
 def test_sampled_groups_must_match_the_plan():

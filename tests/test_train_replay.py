@@ -32,6 +32,8 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
     config.total_steps = 4
     config.eval_every = 4
+    if method == "exgrpo":  # replay turns on after step 1 (the coin's solve rate is ~0.25), not from the start
+      config.replay.start_solve_rate = 0.1
   workdir = str(tmp_path / method)
   train.run(config, workdir)
 
@@ -48,6 +50,9 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     assert all(t > 0 for t in replayed_tokens[1:]), replayed_tokens
   assert all(np.isfinite(r["loss/policy"]) and np.isfinite(r["optim/grad_norm"]) for r in steps)
   if method == "exgrpo":
+    # The phase of an update is the one its batch was planned in: step 1 switched replay on but was planned
+    # on-policy, so its fresh tokens are clipped; from step 2 on (mixed phase, mixed_clip=False) they are not.
+    assert [r["loss/fresh_clip_on"] for r in steps] == [1, 0, 0, 0], [r["replay/phase"] for r in steps]
     # Each replayed question brings one stored answer, chosen by the entropy pass over its stored answers.
     assert all(r["replay/replay_questions"] > 0 and r["replay/scored_answers"] >= r["replay/replay_questions"]
                for r in steps[1:]), [(r["replay/replay_questions"], r["replay/scored_answers"]) for r in steps]

@@ -126,8 +126,8 @@ class AdvantagePriority(base.Strategy):
       groups = kept + [self._replayed(int(row)) for row in picked]
     else:  # pool: one draw over the buffer and this step's fresh rollouts
       fresh_rollouts = [(g, r) for g in kept for r in g.rollouts]
-      fresh_signal = [np.std([x.reward for x in g.rollouts]) if self.priority == "group_std" else abs(r.advantage)
-                      for g, r in fresh_rollouts]
+      fresh_signal = [base.group_std([x.reward for x in g.rollouts]) if self.priority == "group_std"
+                      else abs(r.advantage) for g, r in fresh_rollouts]
       w = np.concatenate([self.weights(self._row_signal(rows)), self.weights(np.asarray(fresh_signal))])
       groups = []
       for i in weighted_sample(self.rng, w, n_fresh):
@@ -151,7 +151,7 @@ class AdvantagePriority(base.Strategy):
   def observe(self, plan: Plan, sampled: Sequence[Group]) -> None:
     """Insert every rollout of the kept (non-zero-variance) fresh groups, then evict by capacity and tokens."""
     self._require_composed(plan, sampled)
-    stds = [float(np.std([r.reward for r in g.rollouts])) for g in plan.info["kept"]]
+    stds = [base.group_std([r.reward for r in g.rollouts]) for g in plan.info["kept"]]
     new = [(g, std, r) for g, std in zip(plan.info["kept"], stds) for r in g.rollouts]
     self.store.add_many([r.tokens for _, _, r in new], [r.logprobs for _, _, r in new],
                         qid=[g.qid for g, _, _ in new], step=[r.step for _, _, r in new],

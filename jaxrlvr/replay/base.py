@@ -118,12 +118,16 @@ class Plan:
     a replay question with a single stored answer needs no scoring and is filled by `plan`). Advantage priority
     and BAPO draw their stored rows in `compose`, because how many they take depends on this step's outcomes.
   policy_delay: the largest `Request.policy_delay` in this plan (BAPO: the delayed sampling policy; else 0).
+  mixed_phase: ExGRPO only: replay was on when this batch was planned. The update of this batch uses that phase
+    (fresh tokens unclipped unless `loss.mixed_clip`), not the one `observe` switches to after seeing its rewards:
+    the batch on which the solve rate crosses the threshold was planned, and is trained, on-policy.
   """
   step: int
   requests: list
   score_requests: list = dataclasses.field(default_factory=list)
   stored: dict = dataclasses.field(default_factory=dict)
   policy_delay: int = 0
+  mixed_phase: bool = False
   # Strategy-private bookkeeping between plan, select, compose and observe.
   candidates: dict = dataclasses.field(default_factory=dict)
   selected: bool = True
@@ -131,15 +135,25 @@ class Plan:
   info: dict = dataclasses.field(default_factory=dict)
 
 
+def group_std(rewards: Sequence[float]) -> float:
+  """The sample std of one group's rewards (ddof=1, as `torch.std`, verl and TRL; the package's one convention,
+  shared with `objectives.group_advantages`); 0 for a group of one."""
+  r = [float(x) for x in rewards]
+  if len(r) < 2:
+    return 0.0
+  mean = sum(r) / len(r)
+  return math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
+
+
 def group_advantages_np(rewards: Sequence[float], *, scale_by_std: bool = False, eps: float = 1e-6) -> list:
-  """r - mean(r) over one group (/ (std + eps) with scale_by_std, population std), as
-  `objectives.group_advantages` does. Plain Python floats: a group is ~8 numbers and numpy's per-call cost
-  would dominate (compose forms ~128 groups a step)."""
+  """r - mean(r) over one group (/ (group_std + eps) with scale_by_std), as `objectives.group_advantages` does.
+  Plain Python floats: a group is ~8 numbers and numpy's per-call cost would dominate (compose forms ~128 groups a
+  step)."""
   r = [float(x) for x in rewards]
   mean = sum(r) / len(r)
   adv = [x - mean for x in r]
   if scale_by_std:
-    std = math.sqrt(sum(a * a for a in adv) / len(adv))
+    std = group_std(r)
     adv = [a / (std + eps) for a in adv]
   return adv
 

@@ -104,7 +104,7 @@ class ExGRPO(base.Strategy):
     replay = self._draw_questions(n_replay)
     fresh = self._draw_fresh(B - n_replay, next_fresh)
     requests = [Request(q, K - 1, 0, "replay") for q in replay] + [Request(q, K, 0, "fresh") for q in fresh]
-    plan = Plan(step=step, requests=requests)
+    plan = Plan(step=step, requests=requests, mixed_phase=self.active)
     for i, q in enumerate(replay):
       rows = list(self._answers[q])
       plan.candidates[i] = rows

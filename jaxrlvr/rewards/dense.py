@@ -4,7 +4,9 @@ Outcome variant: one judge score per rollout; advantage r_i - mean of the group'
 GRPO divides by the std), the same value on every token of the rollout.
 
 Process variant: the completion is cut into segments after each `###` delimiter (`split_segments`), the judge
-scores segment t with segments 1..t-1 as context, giving s_1..s_T, and each segment gets one advantage:
+scores each prefix -- the answer up to and including segment t, as a partial answer -- giving s_1..s_T (s_T grades
+the whole answer), and each segment gets one advantage (`judging="step"` instead grades segment t alone, with
+segments 1..t-1 as context):
 
   EndNorm    A_t = s_t - s_T                         (progress relative to where the answer ended up)
   DeltaNorm  A_1 = s_1 - s_T,  A_t = s_t - s_{t-1}   (step-to-step gain; the first step against the end)
@@ -38,6 +40,7 @@ DELIMITER = "###"
 REWARDS = ("outcome", "process")
 NORMS = ("end", "delta", "group")
 GROUP_MEANS = ("segments", "rollouts", "trajectory")
+PROCESS_JUDGING = ("prefix", "step")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,8 +99,8 @@ def outcome_advantages(rewards: np.ndarray, keep: np.ndarray | None = None, *, s
   if keep.any():
     kept = rewards[keep]
     adv = kept - kept.mean()
-    if scale_by_std:
-      adv = adv / (kept.std() + eps)
+    if scale_by_std:  # the sample std (ddof=1), the package's one convention (objectives.group_advantages)
+      adv = adv / ((kept.std(ddof=1) if kept.size > 1 else 0.0) + eps)
     out[keep] = adv
   return out.astype(np.float32)
 
@@ -302,7 +305,7 @@ def judge_metrics(results: Sequence[JudgeResult], *, wall_s: float | None = None
 
 def dense_rewards(judge: Judge, groups: Sequence[RolloutGroup], tokenizer, *, reward: str = "outcome",
                   norm: str = "end", group_mean: str = "segments", delimiter: str = DELIMITER,
-                  scale_by_std: bool = False) -> DenseRewards:
+                  scale_by_std: bool = False, judging: str = "prefix") -> DenseRewards:
   """Judges every completion of every group in ONE `judge.score` call (the HTTP judge runs them concurrently) and
   returns per-token advantages [N, T], the per-rollout loss mask and `judge/*` metrics.
 
@@ -315,6 +318,8 @@ def dense_rewards(judge: Judge, groups: Sequence[RolloutGroup], tokenizer, *, re
     raise ValueError(f"dense.dense_rewards: norm={norm!r}; expected one of {NORMS}")
   if group_mean not in GROUP_MEANS:
     raise ValueError(f"dense.dense_rewards: group_mean={group_mean!r}; expected one of {GROUP_MEANS}")
+  if judging not in PROCESS_JUDGING:
+    raise ValueError(f"dense.dense_rewards: judging={judging!r}; expected one of {PROCESS_JUDGING}")
   if not groups:
     raise ValueError("dense.dense_rewards: no groups")
   decode = as_decoder(tokenizer)
@@ -341,7 +346,9 @@ def dense_rewards(judge: Judge, groups: Sequence[RolloutGroup], tokenizer, *, re
       if not finished[i]:
         continue  # length-clipped: scores 0, not judged
       for t, (start, end) in enumerate(spans):
-        if reward == "process":
+        if reward == "process" and judging == "prefix":
+          requests.append(JudgeRequest(group.question, group.reference, text[:end], prefix=True))
+        elif reward == "process":
           requests.append(JudgeRequest(group.question, group.reference, text[start:end], context=text[:start]))
         else:
           requests.append(JudgeRequest(group.question, group.reference, text))
@@ -392,8 +399,10 @@ def dense_reward_kwargs(cfg) -> dict:
   """Keyword arguments of `dense_rewards` from the `exprl` config block (reward, norm, group_mean, delimiter,
   scale_by_std), checked here so a typo fails before the first rollout."""
   kwargs = {"reward": cfg.reward, "norm": cfg.norm, "group_mean": cfg.get("group_mean", "segments"),
-            "delimiter": cfg.get("delimiter", DELIMITER), "scale_by_std": bool(cfg.get("scale_by_std", False))}
-  for key, allowed in (("reward", REWARDS), ("norm", NORMS), ("group_mean", GROUP_MEANS)):
+            "delimiter": cfg.get("delimiter", DELIMITER), "scale_by_std": bool(cfg.get("scale_by_std", False)),
+            "judging": cfg.get("process_judging", "prefix")}
+  for key, allowed in (("reward", REWARDS), ("norm", NORMS), ("group_mean", GROUP_MEANS),
+                       ("judging", PROCESS_JUDGING)):
     if kwargs[key] not in allowed:
       raise ValueError(f"config exprl.{key}={kwargs[key]!r}: expected one of {allowed}")
   if not kwargs["delimiter"]:

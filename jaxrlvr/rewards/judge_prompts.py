@@ -1,7 +1,8 @@
 """What the ExpRL judge is asked, and how its 1-5 verdict is read back.
 
-The judge sees the question, a reference solution the policy never sees, and either the policy's whole answer
-(outcome variant) or one segment of it with the earlier segments as context (process variant). Both prompts ask
+The judge sees the question, a reference solution the policy never sees, and the policy's whole answer (outcome
+variant), a prefix of it -- the answer so far, up to the end of one segment (process variant, the default) -- or one
+segment of it with the earlier segments as context (process variant, `exprl.process_judging="step"`). All ask
 the judge to *check* the text against the reference -- not to solve the problem, and not to fill in or repair
 missing steps -- and to end with one line `SCORE: k`, k in 1..5. A verdict k becomes the reward (k - 1) / 4, so
 scores live in [0, 1] with 0 for "nothing useful" and 1 for "fully matches the reference".
@@ -65,6 +66,25 @@ stall, or go wrong)? Do not solve the rest of the problem and do not repair the 
 
 Explain briefly, then finish with a last line of exactly this form: SCORE: <a whole number from 1 to 5>"""
 
+_PREFIX_TEMPLATE = """Grade a student's UNFINISHED work against the reference solution.
+
+## Problem
+{question}
+
+## Reference solution (hidden from the student)
+{reference}
+
+## The student's work so far (it may stop before the end)
+{answer}
+
+## Instructions
+Judge how far what is written so far goes toward the reference's result: is every written step correct, and does
+it make real progress (or repeat, stall, or go wrong)? Do not hold it against the work that it is not finished,
+and do not complete it or repair it on the student's behalf.
+{scale}
+
+Explain briefly, then finish with a last line of exactly this form: SCORE: <a whole number from 1 to 5>"""
+
 _NO_CONTEXT = "(none: this is the first step)"
 
 
@@ -72,22 +92,31 @@ _NO_CONTEXT = "(none: this is the first step)"
 class JudgeRequest:
   """One thing to grade.
 
-  `answer` is the whole completion (outcome) or the segment to grade (process); `context` holds the segments
-  before it (process only; None selects the outcome prompt).
+  `answer` is the whole completion (outcome), a prefix of it (`prefix=True`: process, judged as unfinished
+  work) or one segment (process, judged alone); `context` holds the segments before that segment (step judging
+  only; None selects the outcome or prefix prompt).
   """
   question: str
   reference: str
   answer: str
   context: str | None = None
+  prefix: bool = False
+
+  def __post_init__(self):
+    if self.prefix and self.context is not None:
+      raise ValueError("JudgeRequest: a prefix request grades the answer so far and takes no separate context")
 
   @property
   def is_process(self) -> bool:
-    return self.context is not None
+    return self.context is not None or self.prefix
 
 
 def build_messages(request: JudgeRequest) -> list[dict[str, str]]:
   """OpenAI-style chat messages (system + user) for one request."""
-  if request.is_process:
+  if request.prefix:
+    user = _PREFIX_TEMPLATE.format(question=request.question.strip(), reference=request.reference.strip(),
+                                   answer=request.answer.strip() or "(empty)", scale=_SCALE)
+  elif request.is_process:
     user = _PROCESS_TEMPLATE.format(question=request.question.strip(), reference=request.reference.strip(),
                                     context=request.context.strip() or _NO_CONTEXT,
                                     segment=request.answer.strip() or "(empty)", scale=_SCALE)
