@@ -24,3 +24,15 @@ def test_sampler_benchmark_runs_on_two_cpu_devices():
   assert fields[-1] == "True", f"greedy tokens differ from transformers: {row}"
   assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[5], fields[7], fields[9])), row
   assert "GPU section skipped" in result.stdout
+
+
+def test_main_command_benchmark_reruns_the_readme_commands():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "main_command.py"), "--methods=grpo", "--smoke",
+             f"--cache={os.environ['JAXRLVR_WARM_START_CACHE']}"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert any(line.startswith("grpo") and "eval/accuracy at step 0" in line for line in lines), result.stdout
+  assert any(line.startswith("grpo") and "wall clock (s)" in line for line in lines), result.stdout
+  assert any(line.startswith("versions: Python") and "jax 0." in line for line in lines), result.stdout
