@@ -29,7 +29,8 @@ setuptools.setup(
         "matplotlib",  # plots of jaxrlvr.compare and the colabs
     ],
     extras_require={
-        # torch==2.13.0 is the CPU build on local disk here; tests use it only for parity with transformers.
+        # torch (the CPU build is enough): the parity tests build tiny random transformers models in PyTorch and
+        # compare our models, sampler, export and loss edges against them; the package itself never imports it.
         "test": ["pytest>=8", "pytest-xdist", "torch==2.13.0", "datasets>=3", "nbclient", "nbformat", "ipykernel",
                  "matplotlib"],
         "tfds": ["tensorflow-datasets>=4.9.8", "array-record"],

@@ -50,6 +50,8 @@ def test_runs_top_to_bottom(name, tmp_path, monkeypatch):
     assert len(images) == 1, "the training curves"
     assert "matches the accuracy the run logged" in text
     assert "bucket k (k of K answers correct)" in text
+    assert "removed the temporary workdir" in text
+    assert not list(tmp_path.glob("jaxrlvr_quickstart_*")), "the notebook left its workdir behind"
   else:
     assert len(images) == 3, "f(w) vs clip, surrogate and gradients, aggregation weights"
     assert "checked at 400 ratios" in text and "dr_grpo: the same token weights" in text

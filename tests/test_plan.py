@@ -35,7 +35,7 @@ def test_7b_parameters_optimizer_and_gradients_per_device(paper_plan):
   assert replicated == 333_312
   per_device = (7_615_616_512 - replicated) // 8 + replicated  # 952,243,712 float32 values
   assert paper_plan["params"] == per_device * 4 == 3_808_974_848
-  assert abs(paper_plan["params"] - 7.62e9 * 4 / 8) / 3.81e9 < 1e-3  # the brief's 7.62e9 x 4 bytes / 8 devices
+  assert abs(paper_plan["params"] - 7.62e9 * 4 / 8) / 3.81e9 < 1e-3  # the model card's 7.62e9 x 4 bytes / 8 devices
   assert paper_plan["optimizer"] == 2 * 3_808_974_848  # AdamW mu and nu, float32, sharded like the params
   assert paper_plan["gradients"] == 2 * 3_808_974_848  # 16 micro-batches: the running sum + one micro-batch
   assert paper_plan["resident"] == 3 * 3_808_974_848

@@ -1,4 +1,4 @@
-"""Rollout-level advantage-priority replay rules (DESIGN.md "The methods"), one test per rule, and priority draws."""
+"""Rollout-level advantage-priority replay rules (docs/design.md), one test per rule, and priority draws."""
 import itertools
 
 import ml_collections

@@ -1,4 +1,4 @@
-"""BAPO batch-composition rules (DESIGN.md "The methods"), one test per rule."""
+"""BAPO batch-composition rules (docs/design.md, "BAPO"), one test per rule."""
 import ml_collections
 import numpy as np
 import pytest

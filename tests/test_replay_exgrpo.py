@@ -1,4 +1,4 @@
-"""ExGRPO replay rules (DESIGN.md "The methods"), one test per rule, plus the bucket-draw chi-square test."""
+"""ExGRPO replay rules (docs/design.md, "ExGRPO"), one test per rule, plus the bucket-draw chi-square test."""
 import ml_collections
 import numpy as np
 import pytest
@@ -50,7 +50,7 @@ def run_step(s, step, qids, rewards, tokens=None, entropies=None):
 
 def test_bucket_weights_gaussian_count_and_accuracy_scales():
   # Count scale, K=8, sigma=1: exp(-(k-4)^2/2) = 1, .6065, .1353, .0111 for |k-4| = 0..3; the sum over k=1..7 is
-  # 1 + 2 (.6065 + .1353 + .0111) = 2.5059, so k=4 -> .399, 3,5 -> .242, 2,6 -> .054, 1,7 -> .0044 (DESIGN.md).
+  # 1 + 2 (.6065 + .1353 + .0111) = 2.5059, so k=4 -> .399, 3,5 -> .242, 2,6 -> .054, 1,7 -> .0044.
   w = replay.bucket_weights(8, sigma=1.0, scale="count")
   np.testing.assert_allclose(w, [0, .00443, .05399, .24203, .39905, .24203, .05399, .00443, 0], atol=2e-5)
   # Accuracy scale, K=8, sigma=1: exp(-(k/8-.5)^2/2) = 1, .99222, .96923, .93210 for |k-4| = 0..3; the sum is

@@ -111,7 +111,8 @@ def test_microbatches_give_the_same_gradient(reference_gradient):
   np.testing.assert_allclose(metrics["loss/policy"], reference_gradient[1]["loss/policy"], rtol=1e-5)
 
 
-# The README's layouts: pure data (8,1,1), fsdp (1,8,1), fsdp x tensor (1,4,2); and all three axes at once.
+# The recommended layouts (docs/design.md, "Parallelism"): pure data (8,1,1), fsdp (1,8,1), fsdp x tensor
+# (1,4,2); and all three axes at once.
 @pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2)])
 def test_sharded_update_equals_single_device(shape, reference_gradient):
   grads, metrics = _gradient(_config(), parallel.make_mesh(*shape), _batch())

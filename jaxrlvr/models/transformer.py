@@ -186,7 +186,7 @@ class Attention(nnx.Module):
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
   """down(silu(x @ w_gate) * (x @ w_up)): x [B, T, D], w_gate and w_up [D, F], w_down [F, D] -> [B, T, D].
 
-  The VJP is written out because autodiff's made the update step on XLA:CPU ~1.4x slower (README, "Benchmarks").
+  The VJP is written out because autodiff's made the update step on XLA:CPU ~1.4x slower (docs/benchmarks.md).
   Its weight gradients contract over the N = B * T tokens (x^T . d_gate), and XLA:CPU materialised the wide operand
   transposed for them: d_gate as [F, N], an 11 MB copy per layer per step at the embedded default, written while the
   step's activations no longer fit in the 32 MB L3 of a machine whose memory moves ~7 GB/s. Below, the narrow

@@ -1,6 +1,6 @@
-"""Rollout-level advantage-priority replay for GRPO (see seeds/advantage_priority_replay.md).
+"""Rollout-level advantage-priority replay for GRPO.
 
-The rules, as DESIGN.md states them:
+The rules (docs/design.md, "Advantage-priority replay"):
 - The buffer holds single rollouts (token ids, behaviour log-probs, advantage at birth, birth step), not groups.
 - Zero-variance groups (all rewards equal) are dropped before training and before insertion.
 - Age eviction: a rollout older than tau_max steps (age = step - birth step > tau_max) is evicted before the batch

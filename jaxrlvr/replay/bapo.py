@@ -1,6 +1,6 @@
 """BAPO (Wan et al., ICLR 2026): batches adapted from fresh, re-rolled hard, and recent high-quality groups.
 
-The rules, as DESIGN.md states them (accuracy = correct / rollouts of a group; B = rollout.batch_size):
+The rules (docs/design.md, "BAPO"; accuracy = correct / rollouts of a group; B = rollout.batch_size):
 - Rollouts of fresh questions come from a policy delayed by v = `policy_delay` steps (Request.policy_delay).
 - The batch is filled in order up to B groups:
   X1: fresh groups with 1/K <= accuracy <= (K-1)/K;

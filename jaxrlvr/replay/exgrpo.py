@@ -1,6 +1,6 @@
 """ExGRPO (Zhan et al., 2025): replay of correct answers, bucketed by how often the question is solved.
 
-The rules, as DESIGN.md states them (where the paper and its released code differ, the switch is named):
+The rules (docs/design.md, "ExGRPO"; where the paper and its released code differ, the switch is named):
 - Buffer: for a question with 1 <= k <= K-1 correct out of its K, every new correct answer is stored (token ids,
   behaviour log-probs, birth step), deduplicated by token ids; the question's bucket becomes k. k = 0 leaves the
   entry as it is. k counts the whole final group, the replayed answer included (released code).

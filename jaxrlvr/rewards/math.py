@@ -421,7 +421,7 @@ def default_pool() -> MathRewardPool:
 
 def math_reward(completions: list[str], answers: list[str], *, timeout_s: float = 5.0,
                 require_think: bool = False) -> np.ndarray:
-  """[N] float32 of 0/1: does each completion's final answer equal its gold answer (DESIGN.md API)?
+  """[N] float32 of 0/1: does each completion's final answer equal its gold answer (public API)?
 
   Gold is parsed as "$" + answer + "$", the completion with math-verify's default extraction. Uses the module's
   default pool; a trainer that wants the timeout and crash counts keeps its own `MathRewardPool`.
