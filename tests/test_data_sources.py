@@ -1,5 +1,7 @@
 """Data sources on small files written here (jaxrlvr/data/sources.py): jsonl, verl parquet, tfds, hf_disk."""
+import ast
 import json
+import os
 
 import datasets
 import pyarrow as pa
@@ -140,3 +142,29 @@ def test_hf_disk_dataset_and_dataset_dict(tmp_path):
   datasets.Dataset.from_list([{"question": "x", "answer": "1"}]).filter(lambda row: False).save_to_disk(empty)
   with pytest.raises(DataError, match="has no rows"):
     make_source(f"hf_disk:{empty}")
+
+
+def test_data_modules_import_one_way():
+  """No import cycle inside jaxrlvr/data, lazy imports included: each module imports only modules below it."""
+  package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxrlvr", "data")
+  modules = {name[:-3] for name in os.listdir(package) if name.endswith(".py") and name != "__init__.py"}
+  imports = {}
+  for module in modules:
+    with open(os.path.join(package, f"{module}.py")) as f:
+      tree = ast.parse(f.read())
+    found = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module == "jaxrlvr.data":
+        found.update(alias.name for alias in node.names)
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxrlvr.data."):
+        found.add(node.module.split(".")[2])
+      elif isinstance(node, ast.ImportFrom) and node.module == "jaxrlvr":
+        assert "data" not in {a.name for a in node.names}, f"{module}.py imports the package jaxrlvr.data itself"
+      elif isinstance(node, ast.Import):
+        found.update(a.name.split(".")[2] for a in node.names if a.name.startswith("jaxrlvr.data."))
+    imports[module] = found & modules
+  order = []  # a topological order exists iff there is no cycle
+  while len(order) < len(modules):
+    ready = sorted(m for m in modules if m not in order and imports[m] <= set(order))
+    assert ready, f"import cycle among {sorted(set(modules) - set(order))}: {imports}"
+    order.extend(ready)

@@ -1,10 +1,17 @@
-"""Questions in, prompts out: data sources, the embedded arithmetic task, prompt templates, tokenizers."""
+"""Questions in, prompts out: data sources, the embedded arithmetic task, prompt templates, tokenizers, checks.
+
+Modules, lowest first (each imports only modules before it): types, templates, synthetic, tokenizer, sources
+(the file formats), registry (make_source, sources_from_config, held-out splits), prompts (checks before a run),
+iterator (imports none of them).
+"""
 from jaxrlvr.data.iterator import QuestionIterator
-from jaxrlvr.data.sources import DataError
-from jaxrlvr.data.sources import Example
-from jaxrlvr.data.sources import make_source
-from jaxrlvr.data.sources import Source
-from jaxrlvr.data.sources import sources_from_config
+from jaxrlvr.data.prompts import check_prompts
+from jaxrlvr.data.prompts import warm_start_pairs
+from jaxrlvr.data.registry import hold_out
+from jaxrlvr.data.registry import make_source
+from jaxrlvr.data.registry import sources_from_config
+from jaxrlvr.data.registry import Subset
+from jaxrlvr.data.sources import ListSource
 from jaxrlvr.data.synthetic import ArithmeticSource
 from jaxrlvr.data.synthetic import warm_start_texts
 from jaxrlvr.data.templates import format_prompt
@@ -13,7 +20,12 @@ from jaxrlvr.data.templates import TEMPLATES
 from jaxrlvr.data.tokenizer import embedded_tokenizer_dir
 from jaxrlvr.data.tokenizer import load_tokenizer
 from jaxrlvr.data.tokenizer import tokenizer_from_config
+from jaxrlvr.data.types import DataError
+from jaxrlvr.data.types import describe_row
+from jaxrlvr.data.types import Example
+from jaxrlvr.data.types import Source
 
-__all__ = ["ArithmeticSource", "DataError", "Example", "QuestionIterator", "Source", "TEMPLATES",
-           "embedded_tokenizer_dir", "format_prompt", "load_tokenizer", "make_source", "sources_from_config",
-           "stop_token_ids", "tokenizer_from_config", "warm_start_texts"]
+__all__ = ["ArithmeticSource", "DataError", "Example", "ListSource", "QuestionIterator", "Source", "Subset",
+           "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "format_prompt", "hold_out",
+           "load_tokenizer", "make_source", "sources_from_config", "stop_token_ids", "tokenizer_from_config",
+           "warm_start_pairs", "warm_start_texts"]

@@ -1,48 +1,23 @@
-"""Question sources: random access to `Example` records by a stable integer id, from any supported format.
+"""The file formats: random access to `Example` records by a stable integer id (the row's index in its file).
 
-    make_source("synthetic:arithmetic")          the embedded task (jaxrlvr/data/synthetic.py)
-    make_source("jsonl:/data/train.jsonl")       one JSON object per line, fields named by the caller
-    make_source("parquet:/data/train.parquet")   verl format: `prompt` chat list, `reward_model.ground_truth`
-    make_source("tfds:NAME[/CONFIG]:SPLIT")       tensorflow-datasets ArrayRecord data (no TensorFlow needed)
-    make_source("hf_disk:/data/ds")              a `datasets` dataset written by `save_to_disk`
+    jsonl:/data/train.jsonl       one JSON object per line, fields named by the caller
+    parquet:/data/train.parquet   verl format: `prompt` chat list, `reward_model.ground_truth`
+    tfds:NAME[/CONFIG]:SPLIT      tensorflow-datasets ArrayRecord data (no TensorFlow needed)
+    hf_disk:/data/ds              a `datasets` dataset written by `save_to_disk`
 
-Every row is checked when it is read (the file formats: all at load; tfds: at access, since reading a large
-ArrayRecord dataset in full would defeat random access): a missing or empty question or answer stops with the file
-and the row. `qid` is the row's index in its source; `QuestionIterator` (iterator.py) shuffles and shards the ids.
+`registry.make_source` opens a spec (these and the embedded `synthetic:arithmetic`). Every row is checked when it is
+read (the file formats: all at load; tfds: at access, since reading a large ArrayRecord dataset in full would defeat
+random access): a missing or empty question or answer stops with the file and the row. `QuestionIterator`
+(iterator.py) shuffles and shards the ids.
 """
-import dataclasses
 import json
 import os
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-  """One question. `solution` is a worked solution or reference (the synthetic task's, or a dataset's reference
-  column); `messages` is the verl chat prompt when the source has one."""
-  qid: int
-  question: str
-  answer: str
-  solution: str | None = None
-  data_source: str = ""
-  messages: list[dict[str, str]] | None = None
-
-
-class Source(Protocol):
-  """What the trainer needs from a source: a length and random access by qid."""
-  name: str
-
-  def __len__(self) -> int:
-    ...
-
-  def __getitem__(self, qid: int) -> Example:
-    ...
-
-
-class DataError(ValueError):
-  """A row or a file that cannot be used, with the file and the row in the message."""
+from jaxrlvr.data.types import DataError
+from jaxrlvr.data.types import Example
 
 
 def _text(value: Any, *, field: str, where: str, required: bool = True) -> str | None:
@@ -114,19 +89,27 @@ def row_to_example(row: dict[str, Any], *, qid: int, where: str, default_source:
 
 
 class ListSource:
-  """Examples held in memory (the file formats are read and checked in full at load)."""
+  """Examples held in memory (the file formats are read and checked in full at load). `name` is the spec it was
+  opened from; `positions[qid]`, when given, says where the row is in its file ("line 5 (row 4)")."""
 
-  def __init__(self, name: str, examples: Sequence[Example]):
+  def __init__(self, name: str, examples: Sequence[Example], positions: Sequence[str] | None = None):
     if not examples:
       raise DataError(f"data source {name!r} has no rows")
     self.name = name
     self._examples = list(examples)
+    self._positions = list(positions) if positions is not None else None
 
   def __len__(self) -> int:
     return len(self._examples)
 
   def __getitem__(self, qid: int) -> Example:
     return self._examples[qid]
+
+  def where(self, qid: int) -> str:
+    return self._positions[qid] if self._positions is not None else f"row {qid}"
+
+  def __repr__(self) -> str:
+    return self.name
 
 
 def _field_kwargs(question_field: str, answer_field: str, solution_field: str) -> dict[str, str]:
@@ -143,21 +126,23 @@ def load_jsonl(path: str, *, question_field: str = "question", answer_field: str
   """One JSON object per line; blank lines are skipped (qids count the rows, errors name the line)."""
   _check_file(path, f"jsonl:{path}")
   name = os.path.splitext(os.path.basename(path))[0]
-  examples = []
+  examples, positions = [], []
   with open(path, encoding="utf-8") as f:
     for line_number, line in enumerate(f, start=1):
       if not line.strip():
         continue
-      where = f"{path} line {line_number} (row {len(examples)})"
+      position = f"line {line_number} (row {len(examples)})"
+      where = f"{path} {position}"
       try:
-        row = json.loads(line)
+        row = json.loads(line.rstrip("\r\n"))  # with its newline, a cut-off row fails at "line 2 column 1"
       except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
       if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
       examples.append(row_to_example(row, qid=len(examples), where=where, default_source=name,
                                      **_field_kwargs(question_field, answer_field, solution_field)))
-  return ListSource(f"jsonl:{path}", examples)
+      positions.append(position)
+  return ListSource(f"jsonl:{path}", examples, positions)
 
 
 def load_parquet(path: str, *, question_field: str = "question", answer_field: str = "answer",
@@ -216,6 +201,9 @@ class TfdsSource:
   def __len__(self) -> int:
     return len(self._rows)
 
+  def __repr__(self) -> str:
+    return self.name
+
   def __getitem__(self, qid: int) -> Example:
     if not 0 <= qid < len(self._rows):
       raise IndexError(f"{self.name}: qid {qid} is outside [0, {len(self._rows)})")
@@ -223,7 +211,7 @@ class TfdsSource:
                           default_source=self._default_source, **self._fields)
 
 
-def _split_tfds_spec(rest: str) -> tuple[str, str]:
+def split_tfds_spec(rest: str) -> tuple[str, str]:
   """'NAME[/CONFIG][:VERSION][:SPLIT]' -> (name, split): the split follows the last ':' outside brackets, so
   slices such as 'train[:10%]' stay whole."""
   depth = 0
@@ -235,61 +223,3 @@ def _split_tfds_spec(rest: str) -> tuple[str, str]:
         return rest, ""
       return name, split
   return rest, ""
-
-
-def make_source(spec: str, *, split: str = "train", question_field: str = "question", answer_field: str = "answer",
-                solution_field: str = "solution", seed: int = 0, size: int | None = None,
-                data_dir: str | None = None, worked_fraction: float = 1.0) -> Source:
-  """Opens the source named by `spec` (see the module docstring for the forms).
-
-  Args:
-    split: 'train' or 'test' for the synthetic task; the split of an hf_disk DatasetDict; the tfds split when
-      the spec has none. A jsonl or parquet file is one split.
-    seed: the synthetic task's question set (its train and test questions are disjoint for every seed).
-    size: number of synthetic questions (default 20,000 train, 200 test).
-    worked_fraction: the synthetic task's share of questions whose solution shows its work (the rest: the bare
-      boxed answer); see jaxrlvr/data/synthetic.py.
-    data_dir: the tfds data directory (default $TFDS_DATA_DIR, then tfds's own default).
-  """
-  kind, _, rest = spec.partition(":")
-  fields = _field_kwargs(question_field, answer_field, solution_field)
-  if kind == "synthetic":
-    from jaxrlvr.data import synthetic  # pylint: disable=g-import-not-at-top
-    if rest != "arithmetic":
-      raise DataError(f"data source {spec!r}: unknown synthetic task {rest!r}; known: 'arithmetic'")
-    return synthetic.ArithmeticSource(split=split, seed=seed, size=size, worked_fraction=worked_fraction)
-  if worked_fraction != 1.0:
-    raise DataError(f"data source {spec!r}: worked_fraction={worked_fraction} applies to the synthetic task only; "
-                    f"a dataset's solutions are what the file holds (set data.worked_fraction=1: the tiny preset "
-                    f"defaults to 0.4 for its embedded task)")
-  if not rest:
-    raise DataError(f"data source {spec!r} names no path; expected e.g. 'jsonl:/data/train.jsonl'")
-  if kind == "jsonl":
-    return load_jsonl(rest, **fields)
-  if kind == "parquet":
-    return load_parquet(rest, **fields)
-  if kind == "hf_disk":
-    return load_hf_disk(rest, split=split, **fields)
-  if kind == "tfds":
-    name, tfds_split = _split_tfds_spec(rest)
-    return TfdsSource(name, tfds_split or split, data_dir=data_dir, **fields)
-  raise DataError(f"data source {spec!r}: unknown kind {kind!r}; known: synthetic, jsonl, parquet, tfds, hf_disk")
-
-
-def sources_from_config(config) -> tuple[Source, Source]:
-  """(train source, held-out source) from `config.data` and `config.seed`.
-
-  Reads data.{source, eval_source, question_field, answer_field, solution_field, eval_size} and, when present,
-  data.data_dir (tfds), data.train_size (synthetic; 0 or absent: 20,000) and data.worked_fraction (synthetic
-  train split; absent: 1). An empty eval_source means the held-out split of the synthetic task, whose solutions
-  always show their work (they are references, never trained on).
-  """
-  data = config.data
-  kwargs = dict(question_field=data.question_field, answer_field=data.answer_field,
-                solution_field=data.solution_field, seed=config.seed, data_dir=data.get("data_dir") or None)
-  train = make_source(data.source, split="train", size=data.get("train_size") or None,
-                      worked_fraction=data.get("worked_fraction", 1.0), **kwargs)
-  eval_spec = data.eval_source or "synthetic:arithmetic"
-  held_out = make_source(eval_spec, split="test", size=data.eval_size if eval_spec.startswith("synthetic:") else None,
-                         **kwargs)
-  return train, held_out

@@ -35,8 +35,9 @@ import functools
 
 import numpy as np
 
-from jaxrlvr.data.sources import DataError
-from jaxrlvr.data.sources import Example
+from jaxrlvr.data import templates
+from jaxrlvr.data.types import DataError
+from jaxrlvr.data.types import Example
 
 HELD_OUT_PER_LEVEL = 128  # Test questions reserved per level: a test split holds at most 4 x 128 = 512.
 DEFAULT_SIZES = {"train": 20_000, "test": 200}
@@ -135,6 +136,9 @@ class ArithmeticSource:
   def __len__(self) -> int:
     return self.size
 
+  def __repr__(self) -> str:
+    return self.name
+
   def __getitem__(self, qid: int) -> Example:
     if not 0 <= qid < self.size:
       raise IndexError(f"{self.name}: qid {qid} is outside [0, {self.size})")
@@ -159,7 +163,6 @@ def warm_start_texts(source, *, template: str = "plain", tokenizer=None, qids=No
   The completion is the example's worked solution followed by the tokenizer's eos token (the stop token the
   sampler ends on), so the model learns to stop. Every example must carry a solution.
   """
-  from jaxrlvr.data import templates  # pylint: disable=g-import-not-at-top
   eos = (getattr(tokenizer, "eos_token", None) or "") if tokenizer is not None else ""
   pairs = []
   for qid in range(len(source)) if qids is None else qids:

@@ -7,7 +7,7 @@
                `reward.require_think`. The prompt ends at "Assistant:", so the completion opens <think> itself.
     chat       the tokenizer's own chat template, applied to the verl messages when the example has them
 """
-from jaxrlvr.data.sources import Example
+from jaxrlvr.data.types import Example
 
 TEMPLATES = ("plain", "qwen_math", "r1", "chat")
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."

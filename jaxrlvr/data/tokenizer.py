@@ -10,7 +10,8 @@ import os
 import shutil
 import tempfile
 
-from jaxrlvr.data.sources import DataError
+from jaxrlvr.data import synthetic
+from jaxrlvr.data.types import DataError
 
 EMBEDDED_NAME = "tokenizer-v2"  # Bump when the task text or the vocabulary rule changes: caches are by name.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -29,7 +30,6 @@ def default_cache_dir() -> str:
 
 def embedded_vocabulary(num_examples: int = 2000) -> list[str]:
   """Specials, then every character of the task's prompts and solutions (sorted), then the merged tokens."""
-  from jaxrlvr.data import synthetic  # pylint: disable=g-import-not-at-top
   chars = set()
   for split, size in (("train", num_examples), ("test", synthetic.DEFAULT_SIZES["test"])):
     source = synthetic.ArithmeticSource(split=split, seed=0, size=size)

@@ -1,0 +1,258 @@
+"""A user's own data with the default config and no other override: a 10-row jsonl (and a verl parquet) trains, the
+warm start (which needs solutions) is skipped with a log line, evaluation runs on the file's own held-out rows, and
+a prompt that does not fit stops before the model is built with the file, the row and the lengths."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from configs import exgrpo
+from jaxrlvr import config_lib
+from jaxrlvr import data
+from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import parallel
+from jaxrlvr import rollout
+from jaxrlvr import train
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Arithmetic the embedded tokenizer can encode; answers plain or boxed, as users write them.
+QUESTIONS = [("12+34", "46"), ("7*38", "\\boxed{266}"), ("81-19", "62"), ("45+45", "90"), ("9*9", "81"),
+             ("100-1", "\\boxed{99}"), ("23+58", "81"), ("6*17", "102"), ("70-25", "45"), ("11+11", "22")]
+
+
+def _write_jsonl(path, rows) -> str:
+  with open(path, "w") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows)
+  return str(path)
+
+
+def _qa_rows(**extra_by_row):
+  return [{"question": q, "answer": a, **{k: v[i] for k, v in extra_by_row.items()}}
+          for i, (q, a) in enumerate(QUESTIONS)]
+
+
+def _smoke_config(spec: str, **data_overrides):
+  config = exgrpo.get_config("smoke")
+  with config.unlocked():
+    config.data.source = spec
+    for key, value in data_overrides.items():
+      config.data[key] = value
+    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the tokenizer's cache only
+  return config
+
+
+def test_jsonl_trains_and_evaluates_on_its_own_held_out_rows(tmp_path, monkeypatch):
+  # Each row names itself as its data_source, so the per-source eval metrics say exactly which rows were evaluated.
+  path = _write_jsonl(tmp_path / "own.jsonl", _qa_rows(data_source=[f"row{i}" for i in range(10)]))
+  config = _smoke_config(f"jsonl:{path}")
+  with config.unlocked():
+    config.rollout.batch_size = 16  # more questions per step than the 9 training rows: the iterator cycles
+    config.total_steps = 2  # evals at steps 0 and 2
+  assert config.data.worked_fraction == 0.4  # the tiny preset's synthetic setting needs no override here
+  warm_started = []
+  monkeypatch.setattr(train.warm_start, "cached_warm_start", lambda model, *a, **k: warm_started.append(1) or model)
+  workdir = str(tmp_path / "run")
+  train.run(config, workdir)
+
+  assert not warm_started  # the rows have no solution: no warm start
+  train_rows, held_out = data.sources_from_config(config)
+  assert (len(train_rows), len(held_out)) == (9, 1)
+  assert {train_rows[q].question for q in range(9)} | {held_out[0].question} == {q for q, _ in QUESTIONS}
+  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  evals = [r for r in rows if "eval/accuracy" in r]
+  assert [r["step"] for r in evals] == [0, 2]
+  for row in evals:
+    per_source = {k for k in row if k.startswith("eval/") and k.endswith("/accuracy") and k != "eval/accuracy"}
+    assert per_source == {f"eval/{held_out[0].data_source}/accuracy"}, per_source  # the held-out row, nothing else
+  assert [r["step"] for r in rows if "loss/policy" in r] == [1, 2]
+
+
+def test_verl_parquet_with_chat_prompts(tmp_path, monkeypatch):
+  rows = [{"data_source": "mine", "prompt": [{"role": "user", "content": q}],
+           "reward_model": {"ground_truth": a, "style": "rule"}} for q, a in QUESTIONS]
+  path = str(tmp_path / "train.parquet")
+  pq.write_table(pa.Table.from_pylist(rows), path)
+  monkeypatch.setattr(train.warm_start, "cached_warm_start", lambda *a, **k: pytest.fail("warm start ran"))
+  config = _smoke_config(f"parquet:{path}", eval_fraction=0.2)
+  with config.unlocked():
+    config.total_steps = 2
+  workdir = str(tmp_path / "run")
+  train.run(config, workdir)
+  last = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
+  assert last["step"] == 2 and "eval/mine/accuracy" in last and "eval/accuracy" in last
+
+
+def test_only_the_source_flag_on_the_command_line(tmp_path):
+  path = _write_jsonl(tmp_path / "q.jsonl", _qa_rows())
+  workdir = str(tmp_path / "run")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", HOME=str(tmp_path / "home"))
+  result = subprocess.run([sys.executable, "-m", "jaxrlvr.main", "--config=configs/exgrpo.py:smoke",
+                           f"--config.data.source=jsonl:{path}", f"--workdir={workdir}"],
+                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert "warm start skipped: 9 of the first 9 training rows" in result.stderr
+  assert f"data: evaluating on 1 held-out row of jsonl:{path}" in result.stderr
+  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert "eval/q/accuracy" in rows[-1] and rows[-1]["step"] == 4  # the file's name is its rows' data_source
+  assert not any(k.startswith("eval/arithmetic") for r in rows for k in r)  # never the synthetic task
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return data.load_tokenizer("", cache_dir=os.environ["JAXRLVR_WARM_START_CACHE"])
+
+
+def _check(source, tokenizer, max_prompt_len=16, **kwargs):
+  return data.check_prompts([("data.source", source, len(source))], tokenizer, template="plain",
+                            max_prompt_len=max_prompt_len, max_new_tokens=26, **kwargs)
+
+
+def test_prompt_length_message_names_file_row_and_lengths(tmp_path, tokenizer):
+  rows = _qa_rows()
+  rows[4]["question"] = "12345678+1234567"  # "Q: " 3 + 16 + "\nA: " 4 = 23 tokens
+  rows[7]["question"] = "1+2+3+4+5+6+7+8+9"  # 17 characters: 24 tokens, the longest
+  # A blank line before row 4 puts it on line 6 of the file: the message gives both.
+  lines = [json.dumps(r) for r in rows[:4]] + [""] + [json.dumps(r) for r in rows[4:]]
+  path = tmp_path / "long.jsonl"
+  path.write_text("\n".join(lines) + "\n")
+  source = data.make_source(f"jsonl:{path}")
+  assert _check(source, tokenizer, max_prompt_len=24, model_context=256) == 24  # returns the longest prompt
+  with pytest.raises(data.DataError) as e:
+    _check(source, tokenizer, model_context=256)
+  assert str(e.value) == (
+      f"data.source jsonl:{path} line 6 (row 4): the prompt has 23 tokens, but data.max_prompt_len is 16 (2 of the 10 "
+      "prompts are longer; the longest, line 9 (row 7), has 24 tokens): raise --config.data.max_prompt_len to 24 "
+      "(at most 230: the model's context of 256 less rollout.max_new_tokens=26)")
+  with pytest.raises(data.DataError, match=r"has 24 tokens\): at most 14 tokens fit \(the model's context of 40 "
+                                           r"less rollout.max_new_tokens=26\); filter or shorten"):
+    _check(source, tokenizer, model_context=40)
+
+
+def test_a_held_out_row_that_is_too_long_is_named_by_its_file_row(tmp_path, tokenizer):
+  rows = _qa_rows()
+  _, held_out = data.hold_out(data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'a.jsonl', rows)}"), 0.1)
+  long_row = held_out.rows[0]
+  rows[long_row]["question"] = "1+2+3+4+5+6+7+8+9"
+  path = _write_jsonl(tmp_path / "b.jsonl", rows)
+  train_rows, held_out = data.hold_out(data.make_source(f"jsonl:{path}"), 0.1)
+  with pytest.raises(data.DataError) as e:
+    data.check_prompts([("data.source", train_rows, len(train_rows)), ("data.source", held_out, 1)], tokenizer,
+                       template="plain", max_prompt_len=16, max_new_tokens=26)
+  assert str(e.value).startswith(f"data.source jsonl:{path} line {long_row + 1} (row {long_row}): the prompt has 24 "
+                                 "tokens, but data.max_prompt_len is 16: raise --config.data.max_prompt_len to 24")
+
+
+def test_the_run_stops_on_a_long_prompt_before_building_the_model(tmp_path, monkeypatch):
+  rows = _qa_rows()
+  rows[3]["question"] = "12345678+1234567"
+  path = _write_jsonl(tmp_path / "q.jsonl", rows)
+  monkeypatch.setattr(train, "build_policy", lambda *a, **k: pytest.fail("the model was built"))
+  with pytest.raises(data.DataError, match=rf"^data.source jsonl:{path} line 4 \(row 3\): the prompt has 23 tokens, "
+                                           r"but data.max_prompt_len is 16: raise --config.data.max_prompt_len to 23 "
+                                           r"\(at most 230: the model's context of 256 less rollout.max_new_tokens"):
+    train.run(_smoke_config(f"jsonl:{path}"), str(tmp_path / "run"))
+
+
+def test_characters_the_embedded_tokenizer_cannot_encode(tmp_path, tokenizer, caplog):
+  rows = _qa_rows()
+  rows[2]["question"] = "What is 2+3?"
+  source = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'words.jsonl', rows)}")
+  with pytest.raises(data.DataError, match=r"line 3 \(row 2\): the prompt 'Q: What is 2\+3\?\\nA: ' has characters "
+                                           r"the tokenizer cannot encode \('W', 'h', 'a', 't', 'i', 's', '\?'\); the "
+                                           r"embedded tokenizer knows only the arithmetic task's characters"):
+    _check(source, tokenizer)
+  # An answer the model cannot write stops nothing (an equivalent form may still verify) but is reported.
+  rows = _qa_rows()
+  rows[5]["answer"] = "\\frac{1}{2}"
+  source = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'frac.jsonl', rows)}")
+  with caplog.at_level("WARNING"):
+    _check(source, tokenizer)
+  assert "1 answers have characters the tokenizer cannot produce (the first: data.source" in caplog.text
+  assert "line 6 (row 5), '\\\\frac{1}{2}'" in caplog.text
+
+
+def test_held_out_split(tmp_path):
+  source = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'q.jsonl', _qa_rows())}")
+  train_rows, held_out = data.hold_out(source, 0.3)
+  assert (len(train_rows), len(held_out)) == (7, 3)
+  assert sorted(train_rows.rows + held_out.rows) == list(range(10)) and train_rows.rows == sorted(train_rows.rows)
+  assert [held_out[q].qid for q in range(3)] == [0, 1, 2]  # renumbered; the file row is in `where`
+  assert held_out[1].question == source[held_out.rows[1]].question
+  assert held_out.where(1) == source.where(held_out.rows[1]) and repr(held_out).endswith("(held-out rows)")
+  assert data.hold_out(source, 0.3)[1].rows == held_out.rows  # a fixed draw
+  assert len(data.hold_out(source, 0.01)[1]) == 1  # at least one row
+  one_row = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'one.jsonl', _qa_rows()[:1])}")
+  with pytest.raises(data.DataError, match="has 1 row.*leaves none to train on; set data.eval_source"):
+    data.hold_out(one_row, 0.1)
+
+  # Through the config: the same rows whatever the run's seed; eval_source set: all rows train; 0: an error.
+  config = _smoke_config(f"jsonl:{source.name[len('jsonl:'):]}")
+  first = data.sources_from_config(config)[1].rows
+  with config.unlocked():
+    config.seed = 3
+  assert data.sources_from_config(config)[1].rows == first
+  config.data.eval_source = "synthetic:arithmetic"
+  train_all, synthetic_eval = data.sources_from_config(config)
+  assert len(train_all) == 10 and synthetic_eval.name == "synthetic:arithmetic:test"
+  config.data.eval_source = ""
+  config.data.eval_fraction = 0.0
+  with pytest.raises(data.DataError, match="has no evaluation set: data.eval_source is empty and "
+                                           "data.eval_fraction is 0.0"):
+    data.sources_from_config(config)
+
+
+def test_warm_start_pairs_from_a_solution_field(tmp_path, tokenizer):
+  solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
+  source = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 's.jsonl', _qa_rows(solution=solutions))}")
+  book = {q: [q + 100] for q in range(10)}  # stands in for the trainer's prompt ids
+  pairs, missing = data.warm_start_pairs(source, tokenizer, book.__getitem__, max_rows=4, completion_len=26)
+  assert missing == 0 and len(pairs) == 4
+  assert pairs[1] == ([101], tokenizer("\\boxed{266}", add_special_tokens=False)["input_ids"] + [1])
+  partial = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'p.jsonl', _qa_rows(solution=solutions[:9] + ['']))}")
+  assert data.warm_start_pairs(partial, tokenizer, book.__getitem__, max_rows=100, completion_len=26) == ([], 1)
+  with pytest.raises(data.DataError, match=r"data.source jsonl:.*s.jsonl line 1 \(row 0\): the solution has 4 tokens "
+                                           r"and the stop token, but rollout.max_new_tokens is 4"):
+    data.warm_start_pairs(source, tokenizer, book.__getitem__, max_rows=10, completion_len=4)
+
+
+def test_build_policy_warm_starts_on_a_solution_field_and_skips_without_one(tmp_path, monkeypatch, tokenizer,
+                                                                            caplog):
+  solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
+  calls = []
+  monkeypatch.setattr(train.warm_start, "cached_warm_start",
+                      lambda model, model_config, tok, pairs, **kwargs: calls.append((pairs, kwargs)) or model)
+  mesh = parallel.make_mesh(*config_lib.mesh_shape(exgrpo.get_config("smoke").mesh, jax.device_count()))
+  books = {}
+  for name, rows in (("with", _qa_rows(solution=solutions)), ("without", _qa_rows())):
+    config = _smoke_config(f"jsonl:{_write_jsonl(tmp_path / f'{name}.jsonl', rows)}")
+    train_rows, _ = data.sources_from_config(config)
+    books[name] = rollout.PromptBook(train_rows, tokenizer, template="plain", max_prompt_len=16)
+    with caplog.at_level("INFO"):
+      train.build_policy(config, mesh, books[name])
+  assert len(calls) == 1  # the file with solutions warm-started, the other did not
+  pairs, kwargs = calls[0]
+  assert kwargs["task"] == f"jsonl:{tmp_path / 'with.jsonl'}" and kwargs["steps"] == config.warm_start.steps
+  book = books["with"]
+  solution_ids = tokenizer(book.example(0).solution, add_special_tokens=False)["input_ids"]
+  assert len(pairs) == 9 and pairs[0] == (book.prompt_ids(0), solution_ids + [tokenizer.eos_token_id])
+  assert (f"warm start skipped: 9 of the first 9 training rows of jsonl:{tmp_path / 'without.jsonl'} have no "
+          "'solution' (data.solution_field)") in caplog.text
+
+
+def test_hf_disk_dataset_dict_holds_out_its_train_split_or_uses_its_test_split(tmp_path):
+  import datasets  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / "ds")
+  rows = [{"question": q, "answer": a} for q, a in QUESTIONS]
+  datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                        "test": datasets.Dataset.from_list(rows[:3])}).save_to_disk(path)
+  config = _smoke_config(f"hf_disk:{path}")
+  train_rows, held_out = data.sources_from_config(config)
+  assert (len(train_rows), len(held_out), held_out.name) == (9, 1, f"hf_disk:{path}")
+  config.data.eval_source = f"hf_disk:{path}"  # the same directory as eval_source: its 'test' split
+  train_rows, test = data.sources_from_config(config)
+  assert (len(train_rows), len(test), test[2].question) == (10, 3, QUESTIONS[2][0])
