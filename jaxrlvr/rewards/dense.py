@@ -13,7 +13,7 @@ segments 1..t-1 as context):
   GroupNorm  A_t = s_t - m,  m = the mean of every segment score of the group's kept rollouts, pooled (a rollout
              with more segments weighs more). `group_mean="rollouts"` takes the mean of per-rollout means instead,
              `"trajectory"` the rollout's own mean. The ExpRL summary we have gives GroupNorm only as "s_t - group
-             mean" / "trajectory-centred" (its Eq. 6 is not in the seed), so the pooled mean is a choice, kept
+             mean" / "trajectory-centred" (we worked without its Eq. 6), so the pooled mean is a choice, kept
              switchable.
 
 Every token of a segment carries that segment's advantage (`token_segment_index` maps character spans to tokens).
