@@ -1,9 +1,8 @@
-"""The device mesh, logical-axis rules, sharded model creation and batch sharding helpers.
+"""The device mesh, sharded model creation and batch sharding helpers.
 
-One mesh with axes ('data', 'fsdp', 'tensor'). Parameters carry logical axis names ('vocab', 'embed', 'q_heads',
-'kv_heads', 'head_dim', 'mlp', 'norm'); rules map each name to mesh axes. A dimension whose size is not divisible by
-the mesh axes its rule names keeps only the leading axes that divide it (often none: replicated), so e.g. Qwen2.5's 2
-kv heads on a tensor axis of 4 are replicated instead of failing. Batches are sharded over ('data', 'fsdp').
+One mesh with axes ('data', 'fsdp', 'tensor'). Parameters carry logical axis names that the rules of
+`models/sharding.py` map to mesh axes (`DEFAULT_RULES`, `logical_to_spec`, `param_specs` and `param_shardings` are
+re-exported here). Batches are sharded over ('data', 'fsdp').
 
 Axis types are Auto: jax >= 0.10 `jax.make_mesh` defaults to Explicit axes, with which `with_sharding_constraint`
 and GSPMD propagation behave differently.
@@ -11,7 +10,7 @@ and GSPMD propagation behave differently.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -19,24 +18,12 @@ from jax.experimental import mesh_utils
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrlvr import models
 from jaxrlvr.models.config import ModelConfig
+# The rules live with the model (models.hf places loaded tensors with them); callers reach them through this module.
+from jaxrlvr.models.sharding import BATCH_AXES, DEFAULT_RULES, MESH_AXES
+from jaxrlvr.models.sharding import logical_names, logical_to_spec, param_shardings, param_specs
 from jaxrlvr.models.transformer import Transformer
-
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
-
-# Logical name -> mesh axis, tuple of mesh axes, or None (replicated).
-DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", BATCH_AXES),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
-    ("length", None),
-)
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -72,60 +59,6 @@ def mesh_from_config(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
   return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
 
 
-def _rules_dict(rules: Any) -> dict[str, tuple[str, ...]]:
-  rules = DEFAULT_RULES if rules is None else rules
-  items = rules.items() if isinstance(rules, Mapping) else rules
-  out = {}
-  for name, axes in items:
-    out[name] = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-  return out
-
-
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Any = None) -> PartitionSpec:
-  """PartitionSpec for an array with logical axis `names` and `shape`.
-
-  Each dimension takes the mesh axes of its rule, minus axes of size 1 and axes an earlier dimension already uses,
-  then keeps the longest leading run whose product divides the dimension (replicated when none does). Unknown
-  logical names are an error naming the name, so a typo never silently replicates a 7B matrix.
-  """
-  table = _rules_dict(rules)
-  used: set[str] = set()
-  spec = []
-  for name, size in zip(names, shape):
-    if name is None:
-      spec.append(None)
-      continue
-    if name not in table:
-      raise KeyError(f"parallel.py: logical axis {name!r} has no rule; rules cover {sorted(table)}")
-    axes = [a for a in table[name] if a not in used and mesh.shape[a] > 1]
-    while axes and size % math.prod(mesh.shape[a] for a in axes):
-      axes.pop()
-    used.update(axes)
-    spec.append(None if not axes else (axes[0] if len(axes) == 1 else tuple(axes)))
-  return PartitionSpec(*spec)
-
-
-def _names(var: nnx.Variable) -> tuple | None:
-  return var.get_metadata().get("out_sharding")
-
-
-def param_specs(model_or_state: Any, mesh: Mesh, rules: Any = None) -> nnx.State:
-  """A State of PartitionSpecs, one per variable, from its logical names (unnamed variables are replicated)."""
-  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-
-  def spec(v):
-    names = _names(v)
-    return v.replace(PartitionSpec() if not names else logical_to_spec(names, v.shape, mesh, rules))
-
-  return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def param_shardings(model_or_state: Any, mesh: Mesh, rules: Any = None) -> nnx.State:
-  """A State of NamedShardings (same structure as the model state), usable as jit in/out_shardings."""
-  specs = param_specs(model_or_state, mesh, rules)
-  return jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
-
-
 def create_model(model_config: ModelConfig, mesh: Mesh, *, seed: int = 0, rules: Any = None) -> Transformer:
   """A randomly initialised Transformer whose parameters are created already sharded on `mesh`.
 
@@ -146,14 +79,11 @@ def model_from_config(config: Any, mesh: Mesh, *, rules: Any = None) -> tuple[Tr
   """The run's model, sharded on `mesh`: loaded from `config.model.path` when set (an HF directory), else created
   from the preset `config.model.preset` with seed `config.seed`. dtypes, attention and remat come from config.model.
   """
-  from jaxrlvr.models import config as config_lib  # models/__init__ imports hf, which imports this module lazily
-  from jaxrlvr.models import hf
-
   m = config.model
   if m.path:
-    return hf.load_pretrained(m.path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh, rules=rules,
-                              attention=m.attention, remat=m.remat)
-  model_config = config_lib.from_config(config)
+    return models.load_pretrained(m.path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh,
+                                  rules=rules, attention=m.attention, remat=m.remat)
+  model_config = models.from_config(config)
   return create_model(model_config, mesh, seed=config.seed, rules=rules), model_config
 
 
@@ -223,7 +153,7 @@ def describe_sharding(model: Any, mesh: Mesh | None = None, rules: Any = None) -
   """
   rows = [("path", "shape", "logical", "spec")]
   for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    names = _names(v)
+    names = logical_names(v)
     value = v.get_value()
     sharding = getattr(value, "sharding", None)
     if isinstance(sharding, NamedSharding):

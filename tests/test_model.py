@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrlvr import config_lib
 from jaxrlvr.models import PRESETS, ModelConfig, Transformer, from_config, get_preset
 from jaxrlvr.models import transformer as transformer_lib
 
@@ -201,7 +202,7 @@ def test_config_errors_name_the_field():
     _SMALL.replace(model_type="gpt2")
   with pytest.raises(ValueError, match="attention='flash'"):
     _SMALL.replace(attention="flash")
-  with pytest.raises(KeyError, match="'qwen9'.*tiny"):
+  with pytest.raises(config_lib.ConfigError, match="'qwen9'.*tiny"):
     get_preset("qwen9")
 
 

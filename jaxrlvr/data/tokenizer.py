@@ -6,6 +6,7 @@ vocabulary is every character of the synthetic task's text under the `plain` tem
 ordinary Hugging Face tokenizer directory, so the embedded default loads through `AutoTokenizer` exactly like a
 real model's tokenizer does. It carries a chat template that reproduces the `plain` prompt.
 """
+import json
 import os
 import shutil
 import tempfile
@@ -95,11 +96,35 @@ def load_tokenizer(path: str | None, *, cache_dir: str | None = None):
     raise DataError(f"tokenizer.path={path!r} is not a directory; give a local Hugging Face tokenizer directory "
                     "(nothing is downloaded) or '' for the embedded tokenizer")
   try:
+    if _declared_class(path) in _PLAIN_FAST_CLASSES:
+      # A plain tokenizers-backed tokenizer (the embedded one, also inside a run's DIR/hf export): load it as such.
+      # AutoTokenizer would pick the class of the model in the same directory's config.json (Qwen2Tokenizer for a
+      # qwen2 model), which rebuilds a different tokenizer from the same vocabulary and drops spaces, silently.
+      return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError) as e:
     raise DataError(f"tokenizer.path={path!r} cannot be loaded by AutoTokenizer: {e}") from e
 
 
+_PLAIN_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _declared_class(path: str) -> str:
+  """The `tokenizer_class` a tokenizer directory's tokenizer_config.json declares ('' when it declares none)."""
+  try:
+    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+      return str(json.load(f).get("tokenizer_class") or "")
+  except (OSError, ValueError):
+    return ""
+
+
 def tokenizer_from_config(config):
-  """Reads `config.tokenizer.path` and `config.warm_start.cache_dir` (empty: ~/.cache/jaxrlvr)."""
-  return load_tokenizer(config.tokenizer.path, cache_dir=config.warm_start.cache_dir or None)
+  """The run's tokenizer: `config.tokenizer.path`; when that is empty, the tokenizer saved beside the weights of
+  `config.model.path` (an HF checkpoint or a run's DIR/hf export), else the embedded one (cached under
+  `config.warm_start.cache_dir`, empty: ~/.cache/jaxrlvr)."""
+  path = config.tokenizer.path
+  model_path = config.model.path
+  if not path and model_path and any(os.path.exists(os.path.join(model_path, name))
+                                     for name in ("tokenizer.json", "tokenizer_config.json")):
+    path = model_path
+  return load_tokenizer(path, cache_dir=config.warm_start.cache_dir or None)

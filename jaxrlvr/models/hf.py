@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrlvr.models.config import MODEL_TYPES, ModelConfig
+from jaxrlvr.models.sharding import param_shardings
 from jaxrlvr.models.transformer import Transformer
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -327,13 +328,11 @@ def load_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any =
     dtype: parameter dtype (tensors are cast on the host, one at a time); None keeps the checkpoint's dtype.
     compute_dtype: matmul dtype; None means `dtype`.
     mesh, rules: when a mesh is given each tensor is placed with the NamedSharding its logical axes get from `rules`
-      (default `parallel.DEFAULT_RULES`); otherwise on the default device.
+      (default `models.sharding.DEFAULT_RULES`); otherwise on the default device.
     config_overrides: other ModelConfig fields (attention, remat).
   Returns:
     (model, model_config).
   """
-  from jaxrlvr import parallel  # parallel imports models; import here to keep the package import acyclic
-
   hf = read_config(path)
   source = os.path.join(path, "config.json")
   if dtype is None:
@@ -361,7 +360,7 @@ def load_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any =
   flat = dict(nnx.to_flat_state(abs_state))
   shardings = None
   if mesh is not None:
-    shardings = dict(nnx.to_flat_state(parallel.param_shardings(abs_state, mesh, rules)))
+    shardings = dict(nnx.to_flat_state(param_shardings(abs_state, mesh, rules)))
 
   readers = _Readers()
   try:
