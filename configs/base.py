@@ -5,10 +5,12 @@ Scalars go through flags: `--config.optim.lr=1e-6`. The returned config is locke
 """
 import ml_collections
 
+from jaxrlvr import models
 
 
 def get_base_config(args) -> ml_collections.ConfigDict:
   """`args` is what `config_lib.parse_arg` returned for the method's config arg (model preset, smoke, ...)."""
+  models.get_preset(args.model)  # an unknown name stops here with the known ones (below, not tiny means paper scale)
   c = ml_collections.ConfigDict()
   c.method = "grpo"
   c.seed = 0
@@ -40,13 +42,18 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   # synthetic:arithmetic | jsonl:PATH | parquet:PATH | tfds:NAME:SPLIT | hf_disk:PATH
   c.data.source = "synthetic:arithmetic"
-  c.data.eval_source = ""  # empty: the held-out split of the synthetic task
+  # Evaluation: eval_source when set; empty: the synthetic task's test split, or for any other source its own
+  # held-out rows, eval_fraction of them (at least 1; the same rows for every seed), removed from training.
+  c.data.eval_source = ""
+  c.data.eval_fraction = 0.1
   c.data.question_field = "question"
   c.data.answer_field = "answer"
-  c.data.solution_field = "solution"
-  c.data.eval_size = 200
-  c.data.max_prompt_len = 16  # the embedded task's prompts are at most 15 tokens
-  c.data.worked_fraction = 1.0  # synthetic task: share of train solutions that show their work (rest: bare answer)
+  c.data.solution_field = "solution"  # the warm start's targets; a source whose rows lack it skips the warm start
+  c.data.eval_size = 200  # questions evaluated: the first of the eval set (0: all of it)
+  # Every training and eval prompt is checked against this at start; the embedded task's are at most 15 tokens.
+  c.data.max_prompt_len = 16
+  c.data.worked_fraction = 1.0  # synthetic task only: share of train solutions that show their work (rest: bare)
+  c.data.data_dir = ""  # tfds only: its data directory (empty: $TFDS_DATA_DIR, then ~/tensorflow_datasets)
 
   # Rollouts: B questions x K samples each.
   c.rollout = ml_collections.ConfigDict()
@@ -80,15 +87,21 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.loss.clip_low = 0.2
   c.loss.clip_high = 0.2
   c.loss.dual_clip = 0.0  # 0: off
-  c.loss.shaping_beta = 0.1  # f(w) = w / (w + beta) for replayed tokens; < 0 treats them like fresh ones
+  # ExGRPO's f(w) = w / (w + beta) on replayed tokens, instead of the clip; 0: off, replayed tokens take the same
+  # (clipped) loss as fresh ones, as in every other method. Only configs/exgrpo.py turns it on.
+  c.loss.shaping_beta = 0.0
   c.loss.mixed_clip = False  # ExGRPO: keep clipping fresh tokens once replay is on (paper eq. 4)
   c.loss.aggregation = "dr_grpo"
-  c.loss.max_len = 0  # L of dr_grpo; 0: rollout.max_new_tokens
+  c.loss.max_len = 0  # L of dr_grpo and exgrpo_reference; 0: rollout.max_new_tokens
+  # exgrpo_reference only (objectives.loss_normalizer): the width each micro-batch's sum is divided by, "max_len" (L)
+  # or "padded" (the batch's padded completion width), and the gradient-accumulation divisor (0: micro-batch count).
+  c.loss.reference_width = "max_len"
+  c.loss.reference_divisor = 0
   c.loss.entropy_coef = 0.0
   c.loss.kl_coef = 0.0
   c.loss.kl_estimator = "k3"
   c.loss.importance_cap = 0.0  # truncated importance weights cap c; 0: off
-  c.loss.drop_constant_groups = False
+  c.loss.drop_constant_groups = False  # groups whose advantages are all 0 leave the loss and its normaliser
 
   c.train = ml_collections.ConfigDict()
   c.train.num_minibatches = 1  # optimizer steps per RL step
@@ -97,7 +110,8 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.replay = ml_collections.ConfigDict()
   c.replay.name = "none"
 
-  # Supervised warm start of the embedded default, cached so repeated runs reuse it.
+  # Supervised warm start of a preset initialised at random, on the training rows' solutions (the embedded task's worked
+  # solutions), cached so repeated runs reuse it. Skipped, with a log line, with model.path or rows without a solution.
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 0
   c.warm_start.lr = 2e-3
@@ -107,11 +121,12 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.k = 1  # samples per question for avg@k / pass@k at eval.temperature (greedy accuracy is always reported)
   c.eval.temperature = 0.0
+  c.eval.num_samples = 4  # held-out questions whose greedy answers go to DIR/samples.jsonl at every evaluation
 
   if args.model == "tiny":
-    # The embedded default: warm-start the tiny model, then RL (DESIGN.md, "The embedded default"). The teacher shows
-    # its work on 40% of questions and answers the rest bare, so the greedy warm-started model mostly answers bare
-    # and RL has a choice to learn: show the work where it pays (data/synthetic.py; README, "Results").
+    # The embedded default (docs/design.md, "The embedded default"): warm-start the tiny model, then RL. The teacher
+    # shows its work on 40% of questions and answers the rest bare, so the greedy warm-started model mostly answers
+    # bare and RL has a choice to learn: show the work where it pays (data/synthetic.py; README, "Results").
     c.warm_start.steps = 1200
     c.data.worked_fraction = 0.4
     c.data.eval_size = 400  # of the 512 held-out questions: a +-2.5-point standard error instead of 3.5
@@ -120,7 +135,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
     # 57% -> 45% from 600); 3e-5 held it.
     c.optim.lr = 3e-5
     # Four micro-batches of 32 rows keep more of an update's activations in the CPU's L3: the 128-row update went
-    # 227 -> 189 ms (README, "Benchmarks"; 8 were no faster). The gradient is the same up to float rounding.
+    # 227 -> 189 ms (docs/benchmarks.md; 8 were no faster). The gradient is the same up to float rounding.
     c.train.num_microbatches = 4
   else:
     _paper_scale(c)

@@ -8,18 +8,25 @@ The judge is any OpenAI-compatible chat-completions endpoint (a vLLM or SGLang s
 a checkpoint run by this package's sampler (`kind="model"`, `exprl.judge.path=HF_DIR`; empty: a frozen copy of the
 starting policy). The reference solution is the dataset's `data.solution_field` (`solution` in jsonl; the synthetic
 task supplies its worked solutions).
-- `:reward=outcome`: one score per rollout, GRPO advantages r - group mean.
-- `:reward=process`: the answer is cut at `exprl.delimiter` ("###", which belongs to the earlier segment), each
-  segment is scored, and segment advantages are `exprl.norm="end"` (s_t - s_T), `"delta"` (s_t - s_{t-1}, first
+- `:reward=outcome`: one score per rollout, GRPO advantages r - group mean; PPO clip 0.2 / 0.28 (the paper's
+  clip-high for ExpRL-Outcome), up to `train.num_minibatches` optimizer steps per batch.
+- `:reward=process`: the answer is cut at `exprl.delimiter` ("###", which belongs to the earlier segment), the judge
+  scores each prefix (the answer up to and including segment t: `exprl.process_judging="prefix"`, the paper; `"step"`
+  grades segment t alone with the earlier ones as context), fully on-policy (one optimizer step per batch, as the
+  paper's process runs), and segment advantages are `exprl.norm="end"` (s_t - s_T), `"delta"` (s_t - s_{t-1}, first
   s_1 - s_T) or `"group"` (s_t - mean of the group's segment scores; `exprl.group_mean` picks the mean where the
-  seed leaves it open); each token gets its segment's advantage.
+  paper leaves it open); each token gets its segment's advantage.
 A score that cannot be parsed removes the rollout from the loss (`judge/removed_rollouts`); a length-clipped answer
 scores 0. On the embedded CPU default (`:smoke`) the judge is the tiny policy itself: it cannot follow a judge
 prompt, so every rollout is a parse failure and removed -- that run checks the plumbing, not learning.
 
-Hand-off to sparse-reward RL: train this stage, then start GRPO or ExGRPO from its final checkpoint exported as an HF
-directory (`jaxrlvr.models.save_pretrained`), e.g.
-    python -m jaxrlvr.main --config=configs/exgrpo.py:model=qwen2.5-math-7b --config.model.path=PRIMED_HF_DIR ...
+Stage II, sparse-reward RL from this stage's policy: every run ends by writing its final policy to WORKDIR/hf, a
+transformers directory (jaxrlvr/export.py), and `model.path` starts GRPO or ExGRPO from it (no warm start then):
+    python -m jaxrlvr.main --config=configs/exgrpo.py --workdir=/tmp/exgrpo-primed --config.model.path=/tmp/exprl/hf
+The tokenizer comes from the same directory (WORKDIR/hf holds it). At paper scale give the data as for stage I:
+    python -m jaxrlvr.main --config=configs/exgrpo.py:model=qwen2.5-math-7b --workdir=DIR2 \\
+        --config.model.path=DIR/hf --config.data.source=parquet:/data/openr1.parquet
+`python -m jaxrlvr.export --workdir=/tmp/exprl --step=N` exports an earlier checkpoint.
 """
 import ml_collections
 
@@ -38,6 +45,13 @@ def get_config(arg: str | None = None):
   config.exprl.group_mean = "segments"
   config.exprl.delimiter = "###"
   config.exprl.scale_by_std = False
+  # Process variant: what the judge grades for segment t. "prefix" (the paper: the answer up to and including
+  # segment t, whose scores s_t EndNorm and DeltaNorm difference) or "step" (segment t alone, earlier ones as context).
+  config.exprl.process_judging = "prefix"
+  if args.reward == "outcome":
+    config.loss.clip_high = 0.28  # the paper's upper clip for ExpRL-Outcome (0.26 for its sparse-reward GRPO runs)
+  else:
+    config.train.num_minibatches = 1  # ExpRL-Process trains fully on-policy: one optimizer step per batch
   judge = config.exprl.judge = ml_collections.ConfigDict()
   judge.kind = "http"
   judge.base_url = "http://127.0.0.1:8000"

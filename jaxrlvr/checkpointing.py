@@ -1,4 +1,4 @@
-"""Orbax checkpoints holding everything a run needs to continue exactly (DESIGN.md, "Checkpoint and resume").
+"""Orbax checkpoints: everything a run needs to continue exactly (docs/design.md, "Checkpoint, resume and export").
 
 A checkpoint step directory has three items:
   train: the device state (params, optimizer state, step, RNG, and a method's delayed sampler weights), sharded;
@@ -22,9 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrlvr import config_lib
 from jaxrlvr import multihost
 
-# Config keys that may change between a run and its resumption; any other change is refused.
+# Config keys that may change when an unfinished run resumes (or a finished one is extended); any other change is
+# refused. A finished run with nothing left to do refuses every change but total_steps: it would have no effect.
 RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
                      "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size")
 
@@ -77,15 +79,39 @@ def _flatten_config(config: dict, prefix: str = "") -> dict:
   return out
 
 
-def incompatible_changes(saved: dict, current: dict) -> list[str]:
-  """Keys whose change would make a resumed run differ from the one that wrote the checkpoint."""
+def _changes(saved: dict, current: dict, allowed) -> list[str]:
   a, b = _flatten_config(saved), _flatten_config(current)
   changed = []
   for key in sorted(set(a) | set(b)):
-    if a.get(key) != b.get(key) and not any(key == p or (p.endswith(".") and key.startswith(p))
-                                            for p in RESUMABLE_CHANGES):
+    if a.get(key) != b.get(key) and not any(key == p or (p.endswith(".") and key.startswith(p)) for p in allowed):
       changed.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
   return changed
+
+
+def incompatible_changes(saved: dict, current: dict) -> list[str]:
+  """Keys whose change would make a resumed run differ from the one that wrote the checkpoint."""
+  return _changes(saved, current, RESUMABLE_CHANGES)
+
+
+def refused_changes(saved: dict, current: dict, *, step: int) -> list[str]:
+  """The changes ("key: old -> new") that stop `current` from taking over the run whose checkpoint at `step` holds
+  `saved`: `incompatible_changes` when the run goes on (step < current total_steps); when it has nothing left to do,
+  every change but total_steps, since the run would end at once and silently ignore it."""
+  if step < current["total_steps"]:
+    return incompatible_changes(saved, current)
+  return _changes(saved, current, ("total_steps",))
+
+
+def extension_note(saved: dict, current: dict, *, step: int) -> str | None:
+  """The line that says a finished run (its checkpoint at `step` >= the saved total_steps) is being extended; None
+  when the run was unfinished or has nothing left to do."""
+  before, after = saved["total_steps"], current["total_steps"]
+  if not before <= step < after:
+    return None
+  note = f"finished at step {step}; total_steps={after} extends it from {before} to {after} steps"
+  if _flatten_config(current).get("optim.schedule") == "cosine":
+    note += " (the cosine learning-rate schedule now decays over the longer run)"
+  return note
 
 
 class Checkpointer:
@@ -135,10 +161,11 @@ class Checkpointer:
   def check_processes(self, meta: dict) -> None:
     saved = meta.get("num_processes")
     if saved is None:
-      raise ValueError(f"the checkpoint in {self.directory} has no num_processes in its metadata: it predates "
-                       "multi-host checkpoints (per-process replay state) and cannot be resumed by this version")
+      raise config_lib.ConfigError(
+          f"the checkpoint in {self.directory} has no num_processes in its metadata: it predates multi-host "
+          "checkpoints (per-process replay state) and cannot be resumed by this version")
     if saved != jax.process_count():
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"the checkpoint in {self.directory} was written by {saved} process(es) (meta num_processes={saved!r}) "
           f"but this run has {jax.process_count()}: the replay buffers and data positions are per process, so it "
           "resumes only with the same number of processes")
@@ -146,12 +173,19 @@ class Checkpointer:
   def read_meta(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
-  def check_config(self, meta: dict, config: ml_collections.ConfigDict) -> None:
-    changes = incompatible_changes(meta["config"], config.to_dict())
-    if changes:
-      raise ValueError(
-          f"the config differs from the one that wrote the checkpoint in {self.directory} in ways that break "
-          f"resumption: {'; '.join(changes)}. Use a new --workdir, or restore those values.")
+  def check_config(self, meta: dict, config: ml_collections.ConfigDict, *, step: int) -> None:
+    """Raises ConfigError listing the `refused_changes` of `config` against the checkpoint at `step`."""
+    changes = refused_changes(meta["config"], config.to_dict(), step=step)
+    if not changes:
+      return
+    if step >= config.total_steps:
+      raise config_lib.ConfigError(
+          f"the run in {os.path.dirname(self.directory)} is finished (step {step} of {config.total_steps}) and would "
+          f"ignore these config changes: {'; '.join(changes)}. Nothing was run; restore those values, use a new "
+          "--workdir, or extend the run with a larger --config.total_steps.")
+    raise config_lib.ConfigError(
+        f"the config differs from the one that wrote the checkpoint at step {step} in {self.directory} in ways that "
+        f"break resumption: {'; '.join(changes)}. Use a new --workdir, or restore those values.")
 
   def close(self) -> None:
     self._manager.close()

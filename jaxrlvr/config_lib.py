@@ -7,10 +7,13 @@ Every method file in `configs/` does
     ...  # method settings
     return config_lib.finalize(config)
 
-`finalize` locks the config, so `--config.no_such_key=1` is refused by ml_collections with the key's name, and a
-wrong type (`--config.seed=abc`) is refused too. `validate` runs in `main` once the device count is known.
+`finalize` locks the config, so ml_collections refuses `--config.no_such_key=1` and a wrong type
+(`--config.seed=abc`); `main` turns those into one line (`unknown_key_error` names the closest key). `validate` runs
+again in `train.run` once the overrides are applied and the device count is known.
 """
 from collections.abc import Sequence
+import difflib
+import os
 import types
 
 import ml_collections
@@ -43,7 +46,10 @@ def parse_arg(arg: str | None, **defaults) -> types.SimpleNamespace:
         raise ConfigError(f"config arg {key}={value!r} must be true or false")
       values[key] = value.lower() in ("true", "1")
     else:
-      values[key] = type(default)(value)
+      try:
+        values[key] = type(default)(value)
+      except ValueError:
+        raise ConfigError(f"config arg {key}={value!r} must be a {type(default).__name__}") from None
   return types.SimpleNamespace(**values)
 
 
@@ -84,6 +90,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check(loss.clip_high >= 0, "loss.clip_high", loss.clip_high, "must be >= 0")
   _check(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip", loss.dual_clip, "must be 0 (off) or > 1")
   _check(loss.max_len >= 0, "loss.max_len", loss.max_len, "must be >= 0 (0: rollout.max_new_tokens)")
+  _check(loss.shaping_beta >= 0, "loss.shaping_beta", loss.shaping_beta, "must be >= 0 (0: no shaping, ExGRPO: 0.1)")
+  _one_of(c, "loss.reference_width", ("max_len", "padded"))
+  _check(loss.reference_divisor >= 0, "loss.reference_divisor", loss.reference_divisor,
+         "must be >= 0 (0: the number of micro-batches)")
   _check(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be positive")
   _one_of(c, "optim.schedule", ("constant", "cosine"))
   _check(c.optim.skip_grad_norm > 0, "optim.skip_grad_norm", c.optim.skip_grad_norm, "must be positive")
@@ -99,6 +109,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   t = c.train
   _check(t.num_minibatches >= 1, "train.num_minibatches", t.num_minibatches, "must be at least 1")
   _check(t.num_microbatches >= 1, "train.num_microbatches", t.num_microbatches, "must be at least 1")
+  _check(c.eval.num_samples >= 0, "eval.num_samples", c.eval.num_samples, "must be >= 0 (0: no DIR/samples.jsonl)")
   rows = r.batch_size * r.group_size
   _check(rows % (t.num_minibatches * t.num_microbatches) == 0, "train.num_microbatches", t.num_microbatches,
          f"rollouts per step ({r.batch_size} x {r.group_size} = {rows}) must be divisible by "
@@ -106,13 +117,23 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   for axis in ("data", "fsdp", "tensor"):
     size = c.mesh[axis]
     _check(size == -1 or size >= 1, f"mesh.{axis}", size, "must be -1 (fill) or a positive size")
-  if num_devices is not None:
+  if num_devices is not None:  # at run time, with the command line's overrides applied
+    _check_checkpoint_dir(c.model.path, "model.path")
     sizes = mesh_shape(c.mesh, num_devices)
     shards = sizes[0] * sizes[1]
     micro_rows = rows // (t.num_minibatches * t.num_microbatches)
     _check(micro_rows % shards == 0, "rollout.batch_size", r.batch_size,
            f"each micro-batch ({micro_rows} rollouts) must be divisible by the batch shards of the mesh "
            f"(data x fsdp = {sizes[0]} x {sizes[1]} = {shards} of {num_devices} devices)")
+
+
+def _check_checkpoint_dir(path: str, key: str) -> None:
+  """A set `path` must be a local Hugging Face checkpoint directory (nothing is downloaded)."""
+  if path:
+    what = "does not exist" if not os.path.exists(path) else "has no config.json"
+    _check(os.path.isfile(os.path.join(path, "config.json")), key, path,
+           f"{what}: give a local Hugging Face checkpoint directory (config.json and *.safetensors; nothing is "
+           "downloaded), or '' for a preset initialised at random")
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
@@ -131,3 +152,41 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
     raise ConfigError(f"config.mesh={tuple(sizes)} needs {sizes[0] * sizes[1] * sizes[2]} devices, "
                       f"but {num_devices} are present")
   return tuple(sizes)
+
+
+def leaf_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every settable key of `config`, dotted: ['data.source', ..., 'optim.lr', ...]."""
+  keys = []
+  for name in config.keys():
+    value = config[name]
+    if isinstance(value, ml_collections.ConfigDict):
+      keys.extend(leaf_keys(value, f"{prefix}{name}."))
+    else:
+      keys.append(prefix + name)
+  return keys
+
+
+def unknown_key_error(config: ml_collections.ConfigDict, key: str) -> str | None:
+  """None when the dotted `key` names a field of `config`; otherwise the message that says so, with the closest
+  existing keys: "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"."""
+  node, parts = config, key.split(".")
+  for depth, part in enumerate(parts):
+    if not isinstance(node, ml_collections.ConfigDict):
+      parent = ".".join(parts[:depth])
+      return f"unknown config key {key!r}: config.{parent} is a {type(node).__name__} ({node!r}), it has no keys"
+    if part not in node:
+      break
+    node = node[part]
+  else:
+    return None
+  known = leaf_keys(config)
+  # The whole dotted key first (catches typos anywhere in it), then the last part alone (`lr` -> optim.lr, ...).
+  close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+  if not close:
+    by_name = {}
+    for k in known:
+      by_name.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    for name in difflib.get_close_matches(parts[-1], list(by_name), n=2, cutoff=0.75):
+      close.extend(by_name[name])
+  hint = f" (did you mean {' or '.join(repr(k) for k in close[:3])}?)" if close else ""
+  return f"unknown config key {key!r}{hint}"

@@ -11,6 +11,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from jaxrlvr import config_lib
+
 MODEL_TYPES = ("qwen2", "llama", "qwen3")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
@@ -20,7 +22,8 @@ def _dtype_name(value: Any, key: str) -> str:
   try:
     return jnp.dtype(value).name
   except TypeError as e:
-    raise ValueError(f"models/config.py: {key}={value!r} is not a dtype (try 'float32' or 'bfloat16')") from e
+    raise config_lib.ConfigError(
+        f"models/config.py: {key}={value!r} is not a dtype (try 'float32' or 'bfloat16')") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +135,8 @@ PRESETS: dict[str, ModelConfig] = {
 def get_preset(name: str) -> ModelConfig:
   """Returns the preset called `name`; an unknown name lists the ones that exist."""
   if name not in PRESETS:
-    raise KeyError(f"models/config.py: unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    raise config_lib.ConfigError(
+        f"config.model.preset={name!r}: unknown model preset; known presets: {sorted(PRESETS)}")
   return PRESETS[name]
 
 
