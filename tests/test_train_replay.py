@@ -53,9 +53,11 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     # The phase of an update is the one its batch was planned in: step 1 switched replay on but was planned
     # on-policy, so its fresh tokens are clipped; from step 2 on (mixed phase, mixed_clip=False) they are not.
     assert [r["loss/fresh_clip_on"] for r in steps] == [1, 0, 0, 0], [r["replay/phase"] for r in steps]
-    # Each replayed question brings one stored answer, chosen by the entropy pass over its stored answers.
-    assert all(r["replay/replay_questions"] > 0 and r["replay/scored_answers"] >= r["replay/replay_questions"]
-               for r in steps[1:]), [(r["replay/replay_questions"], r["replay/scored_answers"]) for r in steps]
+    # Each replayed question brings one stored answer; where it has several, the entropy pass scores them all and
+    # the lowest-entropy one is chosen (a question with a single stored answer needs no scoring).
+    counts = [(r["replay/replay_questions"], r["replay/scored_answers"]) for r in steps]
+    assert all(questions > 0 for questions, _ in counts[1:]), counts
+    assert any(scored >= 2 for _, scored in counts), counts  # the entropy pass ran inside the loop
   # The run saved its config and a checkpoint of the last step (whose host state holds the buffer).
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["replay"]["name"] == method
