@@ -123,11 +123,15 @@ def pack_rows(book: PromptBook, qids: Sequence[int], completions: Sequence[np.nd
 
 def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len: int, completion_len: int,
                 rows: int, pad_id: int, clip_fresh: bool, token_advantages: np.ndarray | None = None,
-                loss_mask: np.ndarray | None = None) -> dict:
+                loss_mask: np.ndarray | None = None, drop_constant_groups: bool = False) -> dict:
   """The update's batch (module doc) from the final groups, whose every rollout has its advantage set.
 
   token_advantages [N, completion_len] and loss_mask [N] (ExpRL's dense rewards), when given, replace the
   rollouts' scalar advantages and drop the rollouts whose mask is 0 from the loss.
+  drop_constant_groups (`loss.drop_constant_groups`): a group whose advantages are all 0 (rewards all equal, or an
+  ExpRL group without a score difference) leaves the loss: its rows get completion_mask 0, so they count neither in
+  the loss nor in its normaliser (their tokens and sequences are not counted), and the entropy and KL terms skip
+  them too. A group of one row with a stored advantage (advantage-priority replay) is kept.
   """
   rollouts = [r for g in groups for r in g.rollouts]
   batch = pack_rows(book, [r.qid for r in rollouts], [r.tokens for r in rollouts], prompt_len=prompt_len,
@@ -148,6 +152,13 @@ def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len:
     advantages[:len(rollouts)] = token_advantages
   if loss_mask is not None:
     batch["completion_mask"][:len(rollouts)] *= np.asarray(loss_mask, np.float32)[:, None]
+  if drop_constant_groups:
+    start = 0
+    for g in groups:
+      stop = start + len(g.rollouts)
+      if not np.any(advantages[start:stop] * batch["completion_mask"][start:stop]):
+        batch["completion_mask"][start:stop] = 0
+      start = stop
   batch.update(advantages=advantages, behaviour_logp=behaviour, replayed=replayed,
                clip=np.full(rows, clip_fresh, bool))
   return batch
