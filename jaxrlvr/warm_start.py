@@ -95,16 +95,19 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
 
   rng = np.random.default_rng(seed)
   start = time.time()
+  previous_loss = None
   for i in range(steps):
     rows = rng.choice(len(pairs), size=batch_size, replace=len(pairs) < batch_size)
     batch = pack_sequences([pairs[r] for r in rows], prompt_len=prompt_len, completion_len=completion_len,
                            pad_id=pad_id)
     batch = parallel.put_global(batch, batch_sharding)  # the same batch on every process
     params, opt_state, loss = train_step(params, opt_state, batch)
-    if jax.process_count() > 1:
-      # Several CPU processes: steps queued ahead deadlock XLA's CPU collectives (a device's worker waits to start
-      # step i + 1 while its peers wait for it in step i's all-reduce); one step in flight at a time avoids it.
-      jax.block_until_ready(loss)
+    # At most one step queued behind the running one: the next batch is packed while a step runs, and a device never
+    # nears XLA:CPU's 32 queued programs, past which an unbounded queue can deadlock the CPU all-reduce when the
+    # client's thread pool is small (see xla_cpu.py).
+    if previous_loss is not None:
+      jax.block_until_ready(previous_loss)
+    previous_loss = loss
     if log_every and (i + 1) % log_every == 0:
       logging.info("warm start step %d/%d: loss %.4f (%.0f s)", i + 1, steps, float(loss), time.time() - start)
   return nnx.merge(graphdef, params)
