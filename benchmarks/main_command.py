@@ -3,12 +3,12 @@
     python benchmarks/main_command.py [--methods=exgrpo,grpo] [--cache=DIR] [--smoke]
 
 Each method runs exactly as the README says, `python -m jaxrlvr.main --config=configs/<method>.py --workdir=DIR`,
-in a process of its own, one after the other. The warm-start cache is a fresh temporary directory unless `--cache`
-names one, so the first command pays for the warm start as a new user's does and the second reuses it. Printed per
-method: held-out greedy accuracy at step 0 and at the end (overall and per level), the greedy answers' mean length,
-and the wall clock of the command; then the package versions and the CPU, because XLA:CPU picks its kernels by
-CPU, so the same versions can give slightly different runs on another processor. `--smoke` runs the `:smoke`
-configs (seconds; what the test suite checks).
+in a process of its own, one after the other, with `--config.warm_start.cache_dir` pointed at a fresh temporary
+directory (or `--cache`), so the first command pays for the warm start as a new user's does and the second reuses
+it. Printed per method: held-out greedy accuracy at step 0 and at the end (overall and per level), the greedy
+answers' mean length, and the wall clock of the command; then the package versions and the CPU, because XLA:CPU
+picks its kernels by CPU, so the same versions can give slightly different runs on another processor. `--smoke`
+runs the `:smoke` configs (seconds; what the test suite checks).
 """
 import argparse
 import importlib.metadata
@@ -26,19 +26,20 @@ _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers
 # What the README states for the main commands (seed 0, the 2-core development machine, requirements-lock.txt);
 # keep in step with the README's "Results" section when the figures are re-measured.
 README = {
-    "exgrpo": {"eval/accuracy@0": 0.390, "eval/accuracy@end": 0.565, "wall_s": 241.0},
-    "grpo": {"eval/accuracy@0": 0.390, "eval/accuracy@end": 0.635, "wall_s": 80.0},
+    "exgrpo": {"eval/accuracy@0": 0.390, "eval/accuracy@end": 0.565, "wall_s": 225.0},
+    "grpo": {"eval/accuracy@0": 0.390, "eval/accuracy@end": 0.635, "wall_s": 76.0},
 }
 
 
 def run_command(method: str, workdir: str, cache: str, smoke: bool) -> float:
   """Runs the main command for `method`; returns its wall-clock seconds."""
   config = f"configs/{method}.py" + (":smoke" if smoke else "")
-  env = dict(os.environ, JAXRLVR_WARM_START_CACHE=cache)
+  env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the command as a user runs it: one CPU device
   start = time.perf_counter()
-  result = subprocess.run([sys.executable, "-m", "jaxrlvr.main", f"--config={config}", f"--workdir={workdir}"],
-                          cwd=_REPO, env=env, capture_output=True, text=True, check=False)
+  command = [sys.executable, "-m", "jaxrlvr.main", f"--config={config}", f"--workdir={workdir}",
+             f"--config.warm_start.cache_dir={cache}"]  # the README's command, its cache pointed at `cache`
+  result = subprocess.run(command, cwd=_REPO, env=env, capture_output=True, text=True, check=False)
   wall = time.perf_counter() - start
   if result.returncode:
     sys.exit(f"main_command: {method} exited with {result.returncode}:\n{result.stderr[-4000:]}")
@@ -81,8 +82,8 @@ def main() -> None:
         level = key[len("eval/"):-len("/accuracy")]  # a data_source: arithmetic/add2, ..., or a file's own
         rows.append((f"  {level} (0 -> end)", (first.get(key), last[key]), None, True))
       if "eval/response_length" in last:
-        rows.append(("greedy length (0 -> end)", (first.get("eval/response_length"), last["eval/response_length"]), None,
-                     False))
+        lengths = (first.get("eval/response_length"), last["eval/response_length"])
+        rows.append(("greedy length (0 -> end)", lengths, None, False))
       rows.append(("wall clock (s)", wall, stated.get("wall_s"), False))
       for name, value, readme, percent in rows:
         shown = (" -> ".join(_fmt(v, percent) for v in value) if isinstance(value, tuple) else _fmt(value, percent))

@@ -3,8 +3,8 @@ correct answers, a retired set, lowest-entropy answer selection and the mixed-po
 
     python -m jaxrlvr.main --config=configs/exgrpo.py --workdir=/tmp/exgrpo
 
-2-core CPU: 4 min 1 s measured from a cold warm-start cache (157 s of it the 1,200-step warm start, cached for later
-runs). Held-out greedy accuracy (400 questions, seed 0) went 39.0% -> 58.3% at step 50 and 56.5% at step 200 (+17.5
+2-core CPU: 3 min 45 s measured from a cold warm-start cache (the 1,200-step warm start is most of it, cached for
+later runs; `python benchmarks/main_command.py` reruns it). Held-out greedy accuracy (400 questions, seed 0) went 39.0% -> 58.3% at step 50 and 56.5% at step 200 (+17.5
 points), while the greedy answers learned to show their work (mean length 7.1 -> 15.3 tokens); the README's results
 have the per-level figures and the 3-seed comparison.
 Paper scale (the released run_exgrpo.sh: 128 questions x 8, response 8192, 700 steps, lr 1e-6):

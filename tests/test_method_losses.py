@@ -7,6 +7,7 @@
 - ExpRL: clip-high 0.28 for the outcome variant; the process variant is fully on-policy and judges prefixes.
 - `loss.drop_constant_groups`: groups without signal leave the loss and its normaliser.
 """
+import functools
 import importlib
 
 import jax
@@ -16,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrlvr import diagnostics
 from jaxrlvr import objectives
 from jaxrlvr import parallel
 from jaxrlvr import replay
@@ -65,21 +67,17 @@ def test_shaping_is_off_unless_the_method_is_exgrpo(method):
 def test_replayed_tokens_are_clipped_and_counted_where_the_method_clips_them():
   """Advantage-priority replay: a replayed token with w = 1.5 > 1 + 0.28 and A > 0 has its gradient cut and counts
   in clip_frac_high; under ExGRPO the same token is shaped, never clipped, and not counted."""
+  micro = _row(replayed=True, clip=True)
+  logp = jnp.full((1, 1), -1.0 + np.log(1.5))
   for method, clipped in (("advantage_priority", True), ("exgrpo", False)):
     settings = objectives.LossSettings.from_config(_config(method))
-    micro = _row(replayed=True, clip=True)
-    logp = jnp.full((1, 1), -1.0 + np.log(1.5))
-    grad = jax.grad(lambda lp: step_lib.token_losses(lp, micro, settings).sum())(logp)[0, 0]  # pylint: disable=cell-var-from-loop
+    loss = functools.partial(step_lib.token_losses, micro=micro, settings=settings)
+    grad = jax.grad(lambda lp, loss=loss: loss(lp).sum())(logp)[0, 0]
     assert (float(grad) == 0.0) == clipped, method
-    stats = objectives_stats(logp, micro, settings)
+    kwargs = {**settings.policy_loss_kwargs(), "clip": micro["clip"]}
+    stats = diagnostics.policy_stats(logp, step_lib.ratio_baseline(micro, settings), micro["advantages"],
+                                     jnp.ones((1, 1)), replayed=micro["replayed"], **kwargs)
     assert float(stats["clip_high_count"]) == float(clipped), method
-
-
-def objectives_stats(logp, micro, settings):
-  from jaxrlvr import diagnostics  # pylint: disable=g-import-not-at-top
-  kwargs = {**settings.policy_loss_kwargs(), "clip": micro["clip"]}
-  return diagnostics.policy_stats(logp, step_lib.ratio_baseline(micro, settings), micro["advantages"],
-                                  jnp.ones((1, 1)), replayed=micro["replayed"], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
