@@ -60,8 +60,13 @@ def test_replayed_token_gradient_relative_to_a_fresh_token(method):
 
 @pytest.mark.parametrize("method", ["grpo", "advantage_priority", "bapo", "exprl"])
 def test_shaping_is_off_unless_the_method_is_exgrpo(method):
-  assert objectives.LossSettings.from_config(_config(method)).shaping_beta is None
+  config = _config(method)
+  assert objectives.LossSettings.from_config(config).shaping_beta is None
   assert objectives.LossSettings.from_config(_config("exgrpo")).shaping_beta == 0.1
+  with config.unlocked():
+    config.loss.shaping_beta = -1.
+  with pytest.raises(ValueError, match=r"loss.shaping_beta \(-1.0\)"):  # 0 is off; a negative value is a mistake
+    objectives.LossSettings.from_config(config)
 
 
 def test_replayed_tokens_are_clipped_and_counted_where_the_method_clips_them():
