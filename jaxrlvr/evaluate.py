@@ -5,6 +5,7 @@ Metrics (names as logged):
   eval/pass@{k}            unbiased pass@k from n = k samples per question at the sampling temperature
   eval/avg@{k}             mean accuracy of those samples (avg@k)
   eval/response_length     mean greedy completion length in tokens
+  eval/boxed               share of greedy completions with a `\\boxed{}` (what the reward reads first)
   eval/<data_source>/...   the same per `data_source` (MATH-500, AIME, ... share one verl file; the embedded
                            task reports its four levels)
 """
@@ -117,6 +118,7 @@ def evaluate_with_samples(generate_fn: GenerateFn, examples: Sequence[Example], 
     completions, correct, lengths = run(0.0, 1)
     metrics["eval/accuracy"] = float(correct.mean())
     metrics["eval/response_length"] = mean_length(lengths.ravel())
+    metrics["eval/boxed"] = float(np.mean(["\\boxed{" in c for c in completions]))
     for source, value in by_source(correct[:, 0], sources).items():
       metrics[f"eval/{source}/accuracy"] = value
     samples = [{"index": i, "data_source": sources[i], "prompt": prompts[i], "completion": completions[i],

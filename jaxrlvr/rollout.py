@@ -73,7 +73,7 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
   Returns one Group per request, in order, and host-side info (tokens sampled, reward counters).
   """
   groups: list[replay.Group | None] = [None] * len(requests)
-  info = {"rollout/sampled_tokens": 0.0, "reward/timeouts": 0.0, "reward/crashes": 0.0}
+  info = {"rollout/sampled_tokens": 0.0, "reward/timeouts": 0.0, "reward/crashes": 0.0, "reward/not_literal": 0.0}
   for delay in sorted({r.policy_delay for r in requests}):
     indices = [i for i, r in enumerate(requests) if r.policy_delay == delay]
     prompts = [book.prompt_ids(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
@@ -86,6 +86,7 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
     info["rollout/sampled_tokens"] += float(out.lengths.sum())
     info["reward/timeouts"] += reward_info.get("timeouts", 0)
     info["reward/crashes"] += reward_info.get("crashes", 0)
+    info["reward/not_literal"] += reward_info.get("not_literal", 0)
     row = 0
     for i in indices:
       rollouts = []

@@ -18,11 +18,13 @@ def test_sampler_benchmark_runs_on_two_cpu_devices():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "jaxrlvr on 2 CPU device(s)" in result.stdout, result.stdout
   row = next(line for line in result.stdout.splitlines() if line.startswith("tiny "))
-  # model, params, transformers, threads, ours, ratio, ours on 1 device, ratio, no cache, cache gain, greedy==HF
+  # model, params, prompts, transformers, threads, ours, ratio, ours on 1 device, ratio, no cache, cache gain,
+  # greedy==HF
   fields = row.split()
-  assert len(fields) == 11, row
+  assert len(fields) == 12, row
+  assert fields[2] == "4x8", row
   assert fields[-1] == "True", f"greedy tokens differ from transformers: {row}"
-  assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[5], fields[7], fields[9])), row
+  assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[6], fields[8], fields[10])), row
   assert "GPU section skipped" in result.stdout
 
 

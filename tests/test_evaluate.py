@@ -54,7 +54,7 @@ def test_evaluate_driver():
       assert prompt == f"Q: {i}+{i}\nA: "
       for j in range(n):
         right = (i in (0, 2)) if temperature == 0 else j < sampled_correct[i]
-        completions.append(f"\\boxed{{{2 * i if right else 2 * i + 1}}}")
+        completions.append(f"\\boxed{{{2 * i}}}" if right else f"{2 * i + 1}")  # wrong answers come unboxed
         lengths.append(4 + i)
     return completions, lengths
 
@@ -74,7 +74,8 @@ def test_evaluate_driver():
   assert metrics["eval/math500/avg@4"] == pytest.approx((1 + 0.5) / 2)
 
   greedy_only = ev.evaluate(generate_fn, _examples(), reward_fn=reward_fn)
-  assert set(greedy_only) == {"eval/accuracy", "eval/response_length", "eval/aime/accuracy",
+  assert greedy_only["eval/boxed"] == pytest.approx(0.5)  # the two right answers are the boxed ones
+  assert set(greedy_only) == {"eval/accuracy", "eval/response_length", "eval/boxed", "eval/aime/accuracy",
                               "eval/math500/accuracy"}
   with pytest.raises(ValueError, match="k=4 samples at temperature 0.0 would all be the greedy answer"):
     ev.evaluate(generate_fn, _examples(), k=4, temperature=0.0, reward_fn=reward_fn)

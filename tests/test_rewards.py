@@ -130,6 +130,29 @@ def test_require_think(pool):
   assert strip_think("<think>a</think>b") == "b" and strip_think("a</think>b") is None
 
 
+def test_literal_numbers(pool):
+  """With literal_numbers, an expression math-verify extracts for a number scores 0 however it evaluates (the
+  restated question), and nothing else changes."""
+  cases = [  # (completion, gold, plain verdict, literal verdict)
+      ("27 + 79 - 81 = \\boxed{27+79-81}", "25", 1, 0),
+      ("So $27+79-81$", "25", 1, 0),
+      ("\\boxed{25} then \\boxed{5^2}", "25", 1, 0),
+      ("\\boxed{25}", "25", 1, 1),
+      ("So it is $\\boxed{ 25 }$.", "25", 1, 1),
+      ("The answer is 106.", "106", 1, 1),  # unboxed: math-verify's own extraction, a number
+      ("\\boxed{1,024}", "1024", 1, 1),
+      ("\\boxed{-3.5}", "-3.5", 1, 1),
+      ("\\boxed{26}", "25", 0, 0),
+      ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1, 1),  # gold is not a number: not restricted
+  ]
+  completions, golds, plain_expected, literal_expected = (list(x) for x in zip(*cases))
+  plain, _ = pool.score(completions, golds)
+  np.testing.assert_array_equal(plain, plain_expected)
+  rewards, info = pool.score(completions, golds, literal_numbers=True)
+  np.testing.assert_array_equal(rewards, literal_expected)
+  assert info["not_literal"] == 3
+
+
 def test_hostile_completions_score_zero_within_a_bound(pool):
   completions = HOSTILE + ["\\boxed{\\frac{2}{4}}"]
   start = time.monotonic()

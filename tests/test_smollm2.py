@@ -21,6 +21,7 @@ from flax import nnx
 from configs import grpo
 from jaxrlvr import config_lib
 from jaxrlvr import data
+from jaxrlvr import hf_check
 from jaxrlvr import models
 from jaxrlvr import sampling
 from jaxrlvr.models import convert
@@ -148,6 +149,13 @@ def test_rl_smoke_run_and_its_export_in_transformers(converted, cache_dir, tmp_p
       answer = model.generate(ids, do_sample=False, max_new_tokens=16, eos_token_id=stops,
                               pad_token_id=hf_tokenizer.pad_token_id)[0, ids.shape[1]:]
     assert hf_tokenizer.decode(answer, skip_special_tokens=True) == sample["completion"], sample["prompt"]
+
+  # The whole held-out set through transformers scores what the run logged (8 questions here: at most one greedy
+  # answer may differ by float32 rounding between the libraries).
+  theirs = hf_check.check(workdir)
+  logged = rows[-1]
+  assert abs(theirs["eval/accuracy"] - logged["eval/accuracy"]) <= 1 / 8 + 1e-9, (theirs, logged)
+  assert abs(theirs["eval/boxed"] - logged["eval/boxed"]) <= 1 / 8 + 1e-9, (theirs, logged)
 
 
 def _tiny_gguf(path: str, architecture: str) -> str:

@@ -183,13 +183,17 @@ class MathRewardPool:
     num_workers: worker processes (one per spare core is plenty; the fast path needs none).
     timeout_s: wall-clock budget per item. An item over budget scores 0 and its worker is replaced.
     require_think: score only what follows `</think>`; 0 without the `<think>...</think>` format.
+    literal_numbers: when the gold answer is a number, the answer math-verify extracts must be a number written
+      out (`math_worker.is_number`: 861, -3, 2.5, 1,024); math-verify evaluates expressions, so `\\boxed{27+79-81}`
+      would otherwise earn the reward for 25 by restating the question.
     max_inflight: items queued per worker ahead of its answers, to hide the pipe round trip.
     start_timeout_s: how long a new worker may take to import math-verify before it counts as broken.
     fast_path: settle plain-integer answers without math-verify (`fast_verdict`); off only to measure it.
   """
 
   def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, *, require_think: bool = False,
-               max_inflight: int = 4, start_timeout_s: float = 60.0, fast_path: bool = True):
+               literal_numbers: bool = False, max_inflight: int = 4, start_timeout_s: float = 60.0,
+               fast_path: bool = True):
     if num_workers < 1:
       raise ValueError(f"MathRewardPool: num_workers ({num_workers}) must be >= 1")
     if not timeout_s > 0:
@@ -197,6 +201,7 @@ class MathRewardPool:
     self.num_workers = num_workers
     self.timeout_s = float(timeout_s)
     self.require_think = require_think
+    self.literal_numbers = literal_numbers
     self.max_inflight = max_inflight
     self.start_timeout_s = start_timeout_s
     self.fast_path = fast_path
@@ -206,9 +211,9 @@ class MathRewardPool:
 
   @classmethod
   def from_config(cls, config) -> "MathRewardPool":
-    """Reads `config.reward.{num_workers, timeout_s, require_think}`."""
+    """Reads `config.reward.{num_workers, timeout_s, require_think, literal_numbers}`."""
     return cls(num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
-               require_think=config.reward.require_think)
+               require_think=config.reward.require_think, literal_numbers=config.reward.literal_numbers)
 
   def wait_ready(self) -> None:
     """Blocks until every worker has imported math-verify (a trainer may call this before its first step)."""
@@ -224,7 +229,7 @@ class MathRewardPool:
         if not data:
           self._fail_start(worker, f"exited with code {worker.proc.poll()} before it was ready")
         worker.inbuf += data
-        self._read_results(worker, np.zeros(0, np.float32))
+        self._read_results(worker, np.zeros(0, np.float32), collections.Counter())
 
   def worker_pids(self) -> list[int]:
     return [w.proc.pid for w in self._workers]
@@ -239,13 +244,14 @@ class MathRewardPool:
     self.close()
 
   def score(self, completions: list[str], answers: list[str], *, timeout_s: float | None = None,
-            require_think: bool | None = None) -> tuple[np.ndarray, dict[str, float]]:
+            require_think: bool | None = None, literal_numbers: bool | None = None
+            ) -> tuple[np.ndarray, dict[str, float]]:
     """Scores each completion against its gold answer.
 
     Returns:
       rewards: [N] float32 of 0/1.
       info: counts of `fast_path` (settled without math-verify), `verified` (sent to math-verify), `timeouts`,
-        `crashes`, `missing_think`, and `seconds` for the whole batch.
+        `crashes`, `missing_think`, `not_literal` (scored 0 by `literal_numbers`), and `seconds` for the batch.
     """
     if not self._finalizer.alive:
       raise RuntimeError("MathRewardPool.score called after close()")
@@ -253,9 +259,10 @@ class MathRewardPool:
       raise ValueError(f"math reward: {len(completions)} completions but {len(answers)} answers")
     timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
     require_think = self.require_think if require_think is None else require_think
+    literal_numbers = self.literal_numbers if literal_numbers is None else literal_numbers
     t0 = time.monotonic()
     rewards = np.zeros(len(completions), np.float32)
-    info = dict(fast_path=0, verified=0, timeouts=0, crashes=0, missing_think=0)
+    info = dict(fast_path=0, verified=0, timeouts=0, crashes=0, missing_think=0, not_literal=0)
     jobs = {}
     for i, (completion, gold) in enumerate(zip(completions, answers)):
       if not isinstance(completion, str) or not isinstance(gold, str):
@@ -275,7 +282,7 @@ class MathRewardPool:
     info["verified"] = len(jobs)
     if jobs:
       try:
-        self._run(jobs, rewards, info, timeout_s)
+        self._run(jobs, rewards, info, timeout_s, literal_numbers)
       except BaseException:
         # Interrupted mid-batch: answers still in flight would be read as the next batch's. Start clean.
         self._replace_busy_workers()
@@ -284,7 +291,7 @@ class MathRewardPool:
     return rewards, info
 
   # The event loop: one thread, non-blocking pipes, select() with the nearest deadline as its timeout.
-  def _run(self, jobs: dict, rewards: np.ndarray, info: dict, timeout_s: float) -> None:
+  def _run(self, jobs: dict, rewards: np.ndarray, info: dict, timeout_s: float, literal_numbers: bool) -> None:
     # math-verify's own alarms (whole seconds) are set past our deadline, so an overrun is always ours: killed,
     # replaced and counted, the same way whichever stage hangs.
     alarm_s = int(math.ceil(timeout_s)) + 1
@@ -310,7 +317,7 @@ class MathRewardPool:
               break
             item = donor.pop()
           completion, gold = jobs[item]
-          payload = pickle.dumps((item, completion, gold, alarm_s), protocol=pickle.HIGHEST_PROTOCOL)
+          payload = pickle.dumps((item, completion, gold, alarm_s, literal_numbers), protocol=pickle.HIGHEST_PROTOCOL)
           if not worker.inflight:
             worker.head_since = now
           worker.outbuf += _HEADER.pack(len(payload)) + payload
@@ -340,7 +347,7 @@ class MathRewardPool:
           remaining -= self._retire(worker, queues, rewards, info, reason="crashes")
           continue
         worker.inbuf += data
-        remaining -= self._read_results(worker, rewards)
+        remaining -= self._read_results(worker, rewards, info)
       now = time.monotonic()
       for worker in list(self._workers):
         if now >= self._deadline(worker, timeout_s):
@@ -355,7 +362,7 @@ class MathRewardPool:
       return worker.head_since + timeout_s
     return float("inf")
 
-  def _read_results(self, worker: _Worker, rewards: np.ndarray) -> int:
+  def _read_results(self, worker: _Worker, rewards: np.ndarray, info: dict) -> int:
     done = 0
     while len(worker.inbuf) >= _HEADER.size:
       (size,) = _HEADER.unpack_from(worker.inbuf)
@@ -366,11 +373,12 @@ class MathRewardPool:
       if message[0] == "ready":
         worker.ready = True
         continue
-      item, value = message
+      item, value, not_literal = message
       expected = worker.inflight.popleft()
       if item != expected:
         raise RuntimeError(f"math reward worker {worker.proc.pid} answered item {item}, expected {expected}")
       rewards[item] = value
+      info["not_literal"] += int(not_literal)
       worker.head_since = time.monotonic()
       done += 1
     return done
@@ -420,12 +428,14 @@ def default_pool() -> MathRewardPool:
 
 
 def math_reward(completions: list[str], answers: list[str], *, timeout_s: float = 5.0,
-                require_think: bool = False) -> np.ndarray:
+                require_think: bool = False, literal_numbers: bool = False) -> np.ndarray:
   """[N] float32 of 0/1: does each completion's final answer equal its gold answer (public API)?
 
   Gold is parsed as "$" + answer + "$", the completion with math-verify's default extraction. Uses the module's
   default pool; a trainer that wants the timeout and crash counts keeps its own `MathRewardPool`.
   """
-  rewards, _ = default_pool().score(completions, answers, timeout_s=timeout_s, require_think=require_think)
+  pool = default_pool()
+  rewards, _ = pool.score(completions, answers, timeout_s=timeout_s, require_think=require_think,
+                          literal_numbers=literal_numbers)
   return rewards
 

@@ -1,4 +1,5 @@
-"""A math-verify worker process: reads (seq, completion, gold, timeout) frames on stdin, writes (seq, score).
+"""A math-verify worker process: reads (seq, completion, gold, timeout, literal) frames on stdin, writes
+(seq, score, not_literal).
 
 Started by `jaxrlvr.rewards.math.MathRewardPool` as `python -m jaxrlvr.rewards.math_worker`, a fresh interpreter
 that imports only the standard library and math-verify. Why a fresh interpreter and not a forked one: jax is not
@@ -12,10 +13,17 @@ import functools
 import logging
 import os
 import pickle
+import re
 import struct
 import sys
 
 _HEADER = struct.Struct("<I")
+# A number as written: 861, -3, 2.5, 1,024. With `literal`, a number for gold must be answered with one of these.
+NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def is_number(text: str) -> bool:
+  return NUMBER.fullmatch(text.strip()) is not None
 
 
 def _read_exact(stream, n: int) -> bytes | None:
@@ -49,12 +57,16 @@ def main() -> None:
   def parse_gold(gold: str, timeout: int):
     return math_verify.parse("$" + gold + "$", parsing_timeout=timeout)
 
-  def score(completion: str, gold: str, timeout: int) -> float:
+  def score(completion: str, gold: str, timeout: int, literal: bool) -> tuple[float, bool]:
+    """(verdict, not_literal). math-verify's parse gives [value..., the string it extracted]; with `literal`, an
+    expression extracted for a number (`27+79-81` for 25, `5^2`) scores 0 however it evaluates."""
     gold_parsed = parse_gold(gold, timeout)
     pred_parsed = math_verify.parse(completion, parsing_timeout=timeout)
-    return float(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    if literal and is_number(gold) and not (pred_parsed and is_number(str(pred_parsed[-1]))):
+      return 0.0, bool(pred_parsed)
+    return float(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=timeout)), False
 
-  score("\\boxed{1}", "1", 5)  # Compile math-verify's regexes before announcing readiness.
+  score("\\boxed{1}", "1", 5, True)  # Compile math-verify's regexes before announcing readiness.
   _write_frame(channel_out, ("ready", os.getpid()))
   while True:
     header = _read_exact(channel_in, _HEADER.size)
@@ -64,14 +76,14 @@ def main() -> None:
     body = _read_exact(channel_in, size)
     if body is None:
       return
-    seq, completion, gold, timeout = pickle.loads(body)
+    seq, completion, gold, timeout, literal = pickle.loads(body)
     try:
-      result = score(completion, gold, timeout)
+      result, not_literal = score(completion, gold, timeout, literal)
     except Exception:  # pylint: disable=broad-except
       # math-verify already turns its own errors into False; anything that still escapes
       # (RecursionError from deep nesting, MemoryError) is an unverifiable answer.
-      result = 0.0
-    _write_frame(channel_out, (seq, result))
+      result, not_literal = 0.0, False
+    _write_frame(channel_out, (seq, result, not_literal))
 
 
 if __name__ == "__main__":
