@@ -35,6 +35,7 @@ import argparse
 import multiprocessing
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -124,7 +125,8 @@ def bench_cpu_model(name: str, config: ModelConfig, args: argparse.Namespace) ->
 def smollm2_chat_prompts(batch: int) -> tuple[str, list[list[int]]]:
   """SmolLM2-135M-Instruct's converted checkpoint and `batch` chat prompts of the embedded task, as the
   `smollm2-135m` preset asks them (its chat template, "What is 472 + 389? Put the final answer in \\boxed{}.")."""
-  from configs import grpo  # pylint: disable=g-import-not-at-top  (run from the repository root)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's configs/
+  from configs import grpo  # pylint: disable=g-import-not-at-top
   from jaxrlvr import data
   from jaxrlvr.models import pretrained
 

@@ -26,7 +26,8 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.model.path = ""  # HF directory; empty: random init from the preset (the embedded default warm-starts it).
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "float32"  # bfloat16 on accelerators.
-  c.model.attention = "xla"  # xla | cudnn
+  c.model.attention = "auto"  # auto | xla | blockwise | cudnn (models/attention.py: auto picks per backend and T x S)
+  c.model.attention_block_size = 512  # query and key block of the blockwise attention (its scores: [block, block])
   c.model.remat = False
 
   c.tokenizer = ml_collections.ConfigDict()
@@ -65,6 +66,10 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.eval_temperature = 0.0
+  # Memory bounds of every sampler call (rollouts, evaluation, the model judge); samples do not depend on them.
+  c.rollout.max_rows_per_device = 0  # rows a call holds per batch shard (bounds the KV cache); 0: all in one call
+  c.rollout.prefill_rows_per_device = 0  # rows per device the prefill runs at once (bounds its activations); 0: all
+  c.rollout.prefill_chunk_tokens = 0  # prompt slots the prefill writes at once; 0: the whole prompt bucket
 
   c.reward = ml_collections.ConfigDict()
   c.reward.name = "math"

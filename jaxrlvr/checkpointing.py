@@ -28,7 +28,11 @@ from jaxrlvr import multihost
 # Config keys that may change when an unfinished run resumes (or a finished one is extended); any other change is
 # refused. A finished run with nothing left to do refuses every change but total_steps: it would have no effect.
 RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
-                     "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size")
+                     "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size",
+                     # how memory is spent, not what is computed: a run that ran out of memory resumes with other
+                     # bounds or another attention kernel (same math, float rounding aside)
+                     "rollout.max_rows_per_device", "rollout.prefill_rows_per_device", "rollout.prefill_chunk_tokens",
+                     "model.attention", "model.attention_block_size")
 
 
 _SEP = "::"  # nesting separator of packed host-state keys (replay state keys themselves contain '/')

@@ -83,6 +83,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check(r.temperature >= 0, "rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)")
   _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
   _check(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 is off)")
+  for key in ("max_rows_per_device", "prefill_rows_per_device", "prefill_chunk_tokens"):
+    _check(r[key] >= 0, f"rollout.{key}", r[key], "must be >= 0 (0: no limit)")
   loss = c.loss
   _one_of(c, "loss.aggregation", AGGREGATION_MODES)
   _one_of(c, "loss.kl_estimator", KL_ESTIMATORS)

@@ -69,6 +69,7 @@ def create_model(model_config: ModelConfig, mesh: Mesh, *, seed: int = 0, rules:
     return Transformer(model_config, rngs=nnx.Rngs(seed))
 
   abstract = nnx.eval_shape(init)
+  abstract.activation_sharding = batch_sharding(mesh)  # rows of the hidden states over the batch axes
   graphdef, abs_state = nnx.split(abstract)
   shardings = param_shardings(abs_state, mesh, rules)
   state = jax.jit(lambda: nnx.state(init()), out_shardings=shardings)()
@@ -82,7 +83,8 @@ def model_from_config(config: Any, mesh: Mesh, *, rules: Any = None) -> tuple[Tr
   m = config.model
   if m.path:
     return models.load_pretrained(m.path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh,
-                                  rules=rules, attention=m.attention, remat=m.remat)
+                                  rules=rules, attention=m.attention, attention_block_size=m.attention_block_size,
+                                  remat=m.remat)
   model_config = models.from_config(config)
   return create_model(model_config, mesh, seed=config.seed, rules=rules), model_config
 

@@ -150,7 +150,7 @@ def model_config(config: Any) -> ModelConfig:
       raise FileNotFoundError(f"plan.py: config.model.path={m.path!r} has no config.json; clear it to plan the "
                               f"preset {m.preset!r}")
     return hf.config_from_hf(hf.read_config(m.path), param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-                             attention=m.attention, remat=m.remat)
+                             attention=m.attention, attention_block_size=m.attention_block_size, remat=m.remat)
   return models.from_config(config)
 
 

@@ -59,6 +59,13 @@ class SamplerSettings:
   top_k: int
   eos_ids: tuple[int, ...]
   pad_id: int
+  # Memory bounds of a sampler call (config rollout.*; `sampling.generate`'s arguments of the same names), 0: off.
+  max_rows_per_device: int = 0
+  prefill_rows_per_device: int = 0
+  prefill_chunk_tokens: int = 0
+
+  def memory_limits(self) -> dict[str, int]:
+    return {name: getattr(self, name) for name in sampling.MEMORY_LIMITS}
 
 
 def decode(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
@@ -80,7 +87,8 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
     out = sampling.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
                             rng=jax.random.fold_in(rng, delay), temperature=settings.temperature,
                             top_p=settings.top_p, top_k=settings.top_k, eos_ids=settings.eos_ids,
-                            pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to)
+                            pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
+                            **settings.memory_limits())
     answers = [book.answer(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
     rewards, reward_info = reward_pool.score(decode(book.tokenizer, out.tokens, out.lengths), answers)
     info["rollout/sampled_tokens"] += float(out.lengths.sum())

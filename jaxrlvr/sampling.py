@@ -13,10 +13,18 @@ Conventions the trainer relies on:
 - After the first stop token a row emits `pad_id` with log-prob and entropy 0; `lengths` count up to and including
   the stop token (max_new_tokens when none was produced).
 - Randomness: a token is drawn by inverse-CDF sampling from one uniform number; row r's numbers come from the key
-  fold_in(rng, r), so a row's samples do not depend on how many padding rows the batch or the mesh added after it
-  (r is the global row: with several processes, process p's rows come after the padded rows of processes < p).
+  fold_in(rng, r), so a row's samples do not depend on how many padding rows the batch or the mesh added after it,
+  nor on how max_rows_per_device cuts the rows into calls (r is the row's index in the prompts; with several
+  processes, process p's rows come after the unsplit, padded rows of processes < p).
   Only temperature 0, top_k and whether top_p < 1 are compiled in; temperature and top_p values, stop ids (up to 4
   without recompiling) and pad_id are traced.
+- Bounded memory (`generate`'s max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens; 0 switches each
+  off): the prompts are cut into sampler calls of at most max_rows_per_device rows per batch shard, one compiled
+  shape for all of them (`sampling_batches.py`); within a call the prefill writes the cache a block of rows at a time
+  (prefill_rows_per_device rows of every device) and each block's prompt a chunk of prefill_chunk_tokens slots at a
+  time, so the prefill's activations are those of one block and chunk. None of this changes a row's samples: the
+  results are those of the unsplit call up to float rounding (the tests hold tokens exactly, float32 log-probs to
+  1e-6). The cache and the decode are those of the whole call.
 """
 from __future__ import annotations
 
@@ -34,8 +42,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrlvr import multihost
+from jaxrlvr import sampling_batches
+from jaxrlvr.sampling_batches import BATCH_AXES, MEMORY_LIMITS, bucket_length  # noqa: F401  (the public names)
 
-BATCH_AXES = ("data", "fsdp")
 TENSOR_AXIS = "tensor"
 
 # Incremented each time a jitted sampler function is traced (compiled): the no-recompilation test reads it.
@@ -55,19 +64,6 @@ class SampleOutput:
   entropies: np.ndarray
   lengths: np.ndarray
   logits: np.ndarray | None = None
-
-
-def bucket_length(n: int) -> int:
-  """Padded prompt length for a longest prompt of `n` tokens: powers of two from 16 up to 512, then multiples of 512.
-
-  Powers of two keep the number of compiled shapes logarithmic; above 512 they would waste up to half the cache, so
-  the step becomes linear (at most 512 wasted slots, i.e. < 50% once n > 512).
-  """
-  if n < 1:
-    raise ValueError(f"sampling.py: bucket_length needs a positive prompt length, got n={n}")
-  if n <= 512:
-    return max(16, 1 << (n - 1).bit_length())
-  return -(-n // 512) * 512
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -154,13 +150,15 @@ class _Spec:
   nucleus: bool  # top_p < 1 (the values of temperature and top_p are traced: changing them does not recompile)
   return_logits: bool
   mesh: Any
+  prefill_rows: int = 0  # rows of each device the prefill runs at once (0: all); the decode ignores it
+  prefill_tokens: int = 0  # prompt slots the prefill writes at once (0: the whole bucket); the decode ignores it
 
 
 @struct.dataclass
 class _LoopState:
   """The decode carry; donated to the decode call so the cache and outputs are updated in place."""
   step: jax.Array  # [] int32: index of the token sampled next
-  uniforms: jax.Array  # [B, N] f32: row r's draws, from the key fold_in(rng, r)
+  uniforms: jax.Array  # [B, N] f32: row r's draws, from the key fold_in(rng, row_keys[r])
   stop_ids: jax.Array  # [E] int32 stop tokens, -1 for unused slots (traced: a new stop set does not recompile)
   pad_id: jax.Array  # [] int32
   temperature: jax.Array  # [] f32
@@ -203,14 +201,15 @@ def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
   )
 
 
-def _uniforms(rng: jax.Array, batch: int, steps: int) -> jax.Array:
+def _uniforms(rng: jax.Array, row_keys: jax.Array, steps: int) -> jax.Array:
   """All the random draws of a call, [B, N], made once before the loop rather than a key split per step.
 
-  Row r draws its N numbers from the key fold_in(rng, r): one stream per row, about N / 2 hashes each (a key per
-  (step, row) cost three hashes a draw, ~4% of a tiny-model call on CPU).
+  Row r draws its N numbers from the key fold_in(rng, row_keys[r]): one stream per row, about N / 2 hashes each (a
+  key per (step, row) cost three hashes a draw, ~4% of a tiny-model call on CPU). row_keys [B] are the rows' indices
+  in the whole (unsplit) batch, so how the rows are cut into calls does not change their draws.
   """
   draw = lambda row: jax.random.uniform(jax.random.fold_in(rng, row), (steps,))
-  return jax.vmap(draw)(jnp.arange(batch))  # [B, N]
+  return jax.vmap(draw)(row_keys)  # [B, N]
 
 
 def _constrain(spec: _Spec, x: jax.Array, tensor_dim: int | None = None) -> jax.Array:
@@ -224,8 +223,8 @@ def _constrain(spec: _Spec, x: jax.Array, tensor_dim: int | None = None) -> jax.
   return jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, P(*axes)))
 
 
-def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, real: jax.Array, controls: tuple, cache: Any,
-                   vocab_size: int) -> _LoopState:
+def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, real: jax.Array, row_keys: jax.Array,
+                   controls: tuple, cache: Any, vocab_size: int) -> _LoopState:
   """The carry before the first token; rows that only pad the batch (`real` False) start as done."""
   batch, prompt_len = ids.shape
   n = spec.max_new_tokens
@@ -233,7 +232,7 @@ def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, real: jax.Array
   rng, stop_ids, pad_id, temperature, top_p = controls
   return _LoopState(
       step=jnp.zeros((), jnp.int32),
-      uniforms=_constrain(spec, _uniforms(rng, batch, n)),
+      uniforms=_constrain(spec, _uniforms(rng, row_keys, n)),
       stop_ids=stop_ids,
       pad_id=pad_id,
       temperature=temperature,
@@ -251,20 +250,92 @@ def _initial_state(spec: _Spec, ids: jax.Array, mask: jax.Array, real: jax.Array
   )
 
 
-def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: jax.Array,
+def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: jax.Array, row_keys: jax.Array,
              controls: tuple) -> _LoopState:
   """Writes the left-padded prompts [B, P] into a fresh cache of P + N slots and samples the first token."""
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(spec.graphdef, params)
-  batch, prompt_len = ids.shape
-  cache = model.init_cache(batch, prompt_len + spec.max_new_tokens)
-  cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=1), cache)  # [B, N_kv, S, H]
+  batch = ids.shape[0]
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
-  state = _initial_state(spec, ids, mask, real, controls, None, _vocab_size(model))
-  hidden, cache = model.hidden(ids, positions=positions, attention_mask=state.key_mask, cache=cache,
-                               cache_index=jnp.zeros((), jnp.int32))
-  logits = model.logits(hidden[:, -1])  # [B, V]; the last slot is a real token for every row (left padding)
+  state = _initial_state(spec, ids, mask, real, row_keys, controls, None, _vocab_size(model))
+  shards = sampling_batches.batch_shards(spec.mesh)
+  per_device = batch // shards
+  if 0 < spec.prefill_rows < per_device:
+    cache, last = _prefill_row_blocks(spec, params, ids, positions, state.key_mask, shards, spec.prefill_rows)
+  else:
+    cache, last = _prefill_rows(spec, params, ids, positions, state.key_mask)
+  logits = model.logits(last)  # [B, V]; the last slot is a real token for every row (left padding)
   return _record(spec, state.replace(cache=cache), logits)
+
+
+def _prefill_rows(spec: _Spec, params: Any, ids: jax.Array, positions: jax.Array,
+                  key_mask: jax.Array) -> tuple[Any, jax.Array]:
+  """Prefills rows ids [R, P] into a fresh cache of key_mask.shape[1] slots: (cache, hidden [R, D] of slot P - 1).
+
+  With spec.prefill_tokens = C < P the prompt goes in C slots at a time, the cache index advancing. Chunk c starts
+  at min(c * C, P - C): when C does not divide P the last chunk overlaps the one before and writes those slots again
+  with the keys and values they already hold (the causal mask keeps every query to the slots before it), so every
+  chunk has one shape and one loop body serves them all.
+  """
+  model = nnx.merge(spec.graphdef, params)
+  rows, prompt_len = ids.shape
+  cache = model.init_cache(rows, key_mask.shape[1])
+  cache = jax.tree.map(lambda c: _constrain(spec, c, tensor_dim=1), cache)  # [R, N_kv, S, H]
+  width = spec.prefill_tokens if 0 < spec.prefill_tokens < prompt_len else prompt_len
+  if width == prompt_len:
+    hidden, cache = model.hidden(ids, positions=positions, attention_mask=key_mask, cache=cache,
+                                 cache_index=jnp.zeros((), jnp.int32))  # [R, P, D]
+    return cache, hidden[:, -1]
+  dtype = jnp.dtype(model.config.compute_dtype)  # the dtype of the final norm's output
+
+  def chunk(c: jax.Array, carry: tuple) -> tuple:
+    cache, _ = carry
+    start = jnp.minimum(c * width, prompt_len - width)
+    chunk_ids = jax.lax.dynamic_slice_in_dim(ids, start, width, axis=1)  # [R, C]
+    chunk_positions = jax.lax.dynamic_slice_in_dim(positions, start, width, axis=1)  # [R, C]
+    hidden, cache = nnx.merge(spec.graphdef, params).hidden(
+        chunk_ids, positions=chunk_positions, attention_mask=key_mask, cache=cache, cache_index=start)  # [R, C, D]
+    return cache, hidden[:, -1].astype(dtype)
+
+  last = _constrain(spec, jnp.zeros((rows, model.config.hidden_size), dtype))
+  return jax.lax.fori_loop(0, -(-prompt_len // width), chunk, (cache, last))
+
+
+def _prefill_row_blocks(spec: _Spec, params: Any, ids: jax.Array, positions: jax.Array, key_mask: jax.Array,
+                        shards: int, block: int) -> tuple[Any, jax.Array]:
+  """`_prefill_rows` over blocks of `block` rows of every batch shard at a time, written into one cache for all rows.
+
+  The batch [B] is viewed as [shards, B / shards] (device d's rows along dim 1), so a block takes the same rows of
+  every device and each device works on `block` rows at a time. Block j starts at min(j * block, B / shards - block):
+  when `block` does not divide a device's rows the last block overlaps the one before and writes those rows again
+  with the same values, so every block has one shape.
+  """
+  batch = ids.shape[0]
+  per_device = batch // shards
+
+  def by_device(x: jax.Array, tensor_dim: int | None = None) -> jax.Array:
+    return _constrain(spec, x.reshape(shards, per_device, *x.shape[1:]), tensor_dim)  # [B, ...] -> [shards, B/sh, ...]
+
+  def rows_of(x: jax.Array, start: jax.Array) -> jax.Array:
+    part = jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)  # [shards, block, ...]
+    return _constrain(spec, part.reshape(shards * block, *x.shape[2:]))  # [shards * block, ...]
+
+  model = nnx.merge(spec.graphdef, params)
+  views = [by_device(x) for x in (ids, positions, key_mask)]
+  cache = jax.tree.map(lambda c: by_device(c, tensor_dim=2), model.init_cache(batch, key_mask.shape[1]))
+  last = by_device(jnp.zeros((batch, model.config.hidden_size), jnp.dtype(model.config.compute_dtype)))
+
+  def run_block(j: jax.Array, carry: tuple) -> tuple:
+    cache, last = carry
+    start = jnp.minimum(j * block, per_device - block)
+    block_cache, block_last = _prefill_rows(spec, params, *(rows_of(x, start) for x in views))
+    write = lambda full, part: jax.lax.dynamic_update_slice_in_dim(
+        full, part.reshape(shards, block, *part.shape[1:]).astype(full.dtype), start, axis=1)
+    return jax.tree.map(write, cache, block_cache), write(last, block_last)
+
+  cache, last = jax.lax.fori_loop(0, -(-per_device // block), run_block, (cache, last))
+  cache = jax.tree.map(lambda c: _constrain(spec, c.reshape(batch, *c.shape[2:]), tensor_dim=1), cache)
+  return cache, _constrain(spec, last.reshape(batch, -1))  # [B, N_kv, S, H] per layer, [B, D]
 
 
 def _decode(spec: _Spec, params: Any, state: _LoopState) -> _LoopState:
@@ -286,7 +357,7 @@ def _decode(spec: _Spec, params: Any, state: _LoopState) -> _LoopState:
 
 
 def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: jax.Array,
-                       controls: tuple) -> _LoopState:
+                       row_keys: jax.Array, controls: tuple) -> _LoopState:
   """The same sampler without a KV cache: every step recomputes the whole fixed-size buffer [B, P + N].
 
   The reference for the cache (tests) and the baseline of the benchmark. Slots after the current step hold pad
@@ -296,7 +367,7 @@ def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array
   model = nnx.merge(spec.graphdef, params)
   batch, prompt_len = ids.shape
   buffer = jnp.concatenate([ids, jnp.full((batch, spec.max_new_tokens), controls[2], ids.dtype)], axis=1)  # [B, S]
-  state = _initial_state(spec, ids, mask, real, controls, _constrain(spec, buffer), _vocab_size(model))
+  state = _initial_state(spec, ids, mask, real, row_keys, controls, _constrain(spec, buffer), _vocab_size(model))
   positions = jnp.maximum(jnp.cumsum(state.key_mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, S]
 
   def cond(s: _LoopState) -> jax.Array:
@@ -318,8 +389,14 @@ def _vocab_size(model: Any) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(spec: _Spec) -> tuple[Any, Any, Any]:
-  """Jitted (prefill, decode, uncached) for one spec; jax.jit then caches one executable per input shape."""
+  """Jitted (prefill, decode, uncached) for one spec; jax.jit then caches one executable per input shape.
+
+  The prefill's chunk sizes do not reach the decode: specs that differ only in them share one compiled decode.
+  """
   prefill = jax.jit(functools.partial(_prefill, spec))
+  loop_spec = dataclasses.replace(spec, prefill_rows=0, prefill_tokens=0)
+  if loop_spec != spec:
+    return (prefill, *_compiled(loop_spec)[1:])
   decode = jax.jit(functools.partial(_decode, spec), donate_argnums=(1,))
   uncached = jax.jit(functools.partial(_generate_uncached, spec))
   return prefill, decode, uncached
@@ -332,7 +409,8 @@ def _compiled(spec: _Spec) -> tuple[Any, Any, Any]:
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, rng: Any,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
              pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, use_cache: bool = True,
-             return_logits: bool = False, pad_batch_to: int = 1) -> SampleOutput:
+             return_logits: bool = False, pad_batch_to: int = 1, max_rows_per_device: int = 0,
+             prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0) -> SampleOutput:
   """Samples `max_new_tokens` tokens after each prompt (a list of token-id lists, ragged).
 
   Args:
@@ -351,86 +429,53 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     return_logits: also return the raw logits [B, N, V] (memory-heavy; tests and debugging).
     pad_batch_to: pad the batch to a multiple of this (besides the mesh's batch shards), so that callers whose batch
       size varies (ExGRPO's K-1 samples for replayed questions) can keep one compiled shape.
+    max_rows_per_device: > 0 cuts the prompts into consecutive sampler calls of max_rows_per_device x (batch shards)
+      rows each (per process with several), the last padded up, which bounds the KV cache; 0 samples all at once.
+    prefill_rows_per_device: > 0 prefills that many rows of each device at a time (bounds the prefill's
+      activations); 0, or at least the call's rows per device, prefills them all at once.
+    prefill_chunk_tokens: > 0 writes each prompt into the cache that many slots at a time (the last chunk overlaps
+      the one before when it does not divide the bucket); 0, or at least the bucket, the whole bucket at once.
   Returns:
     SampleOutput of host numpy arrays with B rows.
   """
-  ids, mask, real, batch = _pad_prompts(model, prompts, pad_id=pad_id, mesh=mesh, pad_batch_to=pad_batch_to)
-  _check_sampling_args(max_new_tokens, temperature, top_p, top_k)
+  limits = dict(zip(MEMORY_LIMITS, (max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens)))
+  sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
+  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+  calls = sampling_batches.plan_calls(prompts, pad_id=pad_id, vocab_size=vocab, mesh=mesh, pad_batch_to=pad_batch_to,
+                                      max_rows_per_device=int(max_rows_per_device))
   if isinstance(rng, int):
     rng = jax.random.key(rng)
   elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a legacy uint32 key (jax.random.PRNGKey)
     rng = jax.random.wrap_key_data(rng)
   graphdef, params = nnx.split(model)
   spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), greedy=temperature == 0, top_k=int(top_k),
-               nucleus=top_p < 1.0, return_logits=bool(return_logits), mesh=mesh)
+               nucleus=top_p < 1.0, return_logits=bool(return_logits), mesh=mesh,
+               prefill_rows=int(prefill_rows_per_device), prefill_tokens=int(prefill_chunk_tokens))
   prefill, decode, uncached = _compiled(spec)
-  scalars = (_stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
+  scalars = (sampling_batches.stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
              np.asarray(top_p, np.float32))
   if mesh is not None:
-    ids, mask, real = (_to_global(mesh, x, P(BATCH_AXES)) for x in (ids, mask, real))
     rng = jax.random.wrap_key_data(_to_global(mesh, np.asarray(jax.random.key_data(rng)), P()),
                                    impl=jax.random.key_impl(rng))
     scalars = tuple(_to_global(mesh, x, P()) for x in scalars)
   controls = (rng, *scalars)
-  if use_cache:
-    state = decode(params, prefill(params, ids, mask, real, controls))
-  else:
-    state = uncached(params, ids, mask, real, controls)
-  outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
-  if jax.process_count() > 1:  # this process's rows only
-    outputs = jax.tree.map(multihost.local_rows, outputs)
-  tokens, logprobs, entropies, lengths, logits = jax.device_get(outputs)
-  return SampleOutput(tokens=tokens[:batch], logprobs=logprobs[:batch], entropies=entropies[:batch],
-                      lengths=lengths[:batch], logits=None if logits is None else logits[:batch])
-
-
-def _pad_prompts(model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, mesh: Any,
-                 pad_batch_to: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-  """Left-pads ragged prompts to [B', bucket] ids and mask; B' is B rounded up to the batch shards and pad_batch_to.
-
-  Returns (ids, mask, real [B'] bool, B). Padding rows hold a single real pad token so no row is fully masked, and
-  start as done (`real` False) so that they never keep the decode loop running.
-  """
-  batch = len(prompts)
-  if batch == 0:
-    raise ValueError("sampling.py: generate got an empty list of prompts")
-  lengths = [len(p) for p in prompts]
-  if min(lengths) == 0:
-    raise ValueError(f"sampling.py: prompt {lengths.index(0)} is empty; every prompt needs at least one token")
-  if pad_batch_to < 1:
-    raise ValueError(f"sampling.py: pad_batch_to={pad_batch_to} must be >= 1")
-  multiple = int(pad_batch_to)
-  if mesh is not None:
-    shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-    if shards % jax.process_count():
-      raise ValueError(f"sampling.py: the batch axes {BATCH_AXES} have {shards} shards, not a multiple of the "
-                       f"{jax.process_count()} processes; each process must own whole batch shards")
-    local_shards = shards // jax.process_count()
-    multiple = multiple * local_shards // np.gcd(multiple, local_shards)
-  # Every process must build the same shapes: agree on the longest prompt and the largest local batch.
-  padded_batch = multihost.agree_max(-(-batch // multiple) * multiple)
-  width = bucket_length(multihost.agree_max(max(lengths)))
-  ids = np.full((padded_batch, width), pad_id, np.int32)
-  mask = np.zeros((padded_batch, width), np.int32)
-  for row, prompt in enumerate(prompts):
-    ids[row, width - len(prompt):] = np.asarray(prompt, np.int32)
-    mask[row, width - len(prompt):] = 1
-  mask[batch:, -1] = 1
-  real = np.arange(padded_batch) < batch
-  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-  if vocab is not None and (ids.max() >= vocab or ids.min() < 0):
-    raise ValueError(f"sampling.py: prompt token ids must lie in [0, vocab_size={vocab}); got min {ids.min()}, "
-                     f"max {ids.max()} (pad_id={pad_id})")
-  return ids, mask, real, batch
-
-
-def _stop_array(eos_ids: Sequence[int]) -> np.ndarray:
-  """Stop ids as an int32 array padded with -1 to a multiple of 4 slots, so most stop sets share one compile."""
-  eos = [int(e) for e in eos_ids]
-  if any(e < 0 for e in eos):
-    raise ValueError(f"sampling.py: eos_ids={eos} must be non-negative token ids")
-  slots = max(4, -(-len(eos) // 4) * 4)
-  return np.asarray(eos + [-1] * (slots - len(eos)), np.int32)
+  pieces = []
+  for i in range(calls.count):
+    inputs = calls.call(i)  # ids, mask [rows, bucket], real, row_keys [rows]
+    if mesh is not None:
+      inputs = tuple(_to_global(mesh, x, P(BATCH_AXES)) for x in inputs)
+    if use_cache:
+      state = decode(params, prefill(params, *inputs, controls))
+    else:
+      state = uncached(params, *inputs, controls)
+    outputs = (state.tokens, state.logprobs, state.entropies, state.lengths, state.logits)
+    del state  # this call's KV cache: freed before the next call allocates its own
+    if jax.process_count() > 1:  # this process's rows only
+      outputs = jax.tree.map(multihost.local_rows, outputs)
+    pieces.append(jax.device_get(outputs))  # waits for the call, so that at most one cache is alive at a time
+  tokens, logprobs, entropies, lengths, logits = (
+      None if parts[0] is None else np.concatenate(parts, axis=0)[:calls.batch] for parts in zip(*pieces))
+  return SampleOutput(tokens=tokens, logprobs=logprobs, entropies=entropies, lengths=lengths, logits=logits)
 
 
 def _to_global(mesh: jax.sharding.Mesh, local: np.ndarray, spec: P) -> jax.Array:
@@ -439,14 +484,3 @@ def _to_global(mesh: jax.sharding.Mesh, local: np.ndarray, spec: P) -> jax.Array
   if jax.process_count() == 1:
     return jax.device_put(local, sharding)
   return jax.make_array_from_process_local_data(sharding, local)
-
-
-def _check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
-  if max_new_tokens < 1:
-    raise ValueError(f"sampling.py: max_new_tokens={max_new_tokens} must be >= 1")
-  if temperature < 0:
-    raise ValueError(f"sampling.py: temperature={temperature} must be >= 0 (0 is greedy)")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"sampling.py: top_p={top_p} must lie in (0, 1]")
-  if top_k < 0:
-    raise ValueError(f"sampling.py: top_k={top_k} must be >= 0 (0 switches it off)")

@@ -75,11 +75,13 @@ def build_policy(config, mesh, book: rollout.PromptBook):
       logging.info("warm start skipped: model.path is set (the warm start is for a preset initialised at random)")
     return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype),
                                   compute_dtype=config.model.compute_dtype, mesh=mesh, remat=config.model.remat,
-                                  attention=config.model.attention)
+                                  attention=config.model.attention,
+                                  attention_block_size=config.model.attention_block_size)
   model_config = models.get_preset(config.model.preset)
   model_config = dataclasses.replace(model_config, param_dtype=config.model.param_dtype,
                                      compute_dtype=config.model.compute_dtype, remat=config.model.remat,
-                                     attention=config.model.attention)
+                                     attention=config.model.attention,
+                                     attention_block_size=config.model.attention_block_size)
   tokenizer = book.tokenizer
   if len(tokenizer) > model_config.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model preset {config.model.preset!r} has "
@@ -158,7 +160,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   sampler = rollout.SamplerSettings(
       max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
       top_p=config.rollout.top_p, top_k=config.rollout.top_k, eos_ids=tuple(data_lib.stop_token_ids(tokenizer)),
-      pad_id=tokenizer.pad_token_id)
+      pad_id=tokenizer.pad_token_id, **sampler_limits(config))
   prompt_len = sampling.bucket_length(config.data.max_prompt_len)
   completion_len = config.rollout.max_new_tokens
   rows = batch_rows(config, batch_shards, num_hosts)
@@ -218,7 +220,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       mine = prompt_rows[start:stop] or prompt_rows[:1]  # a host without rows still joins the sampler call
       out = sampling.generate(eval_model, mine, max_new_tokens=completion_len,
                               rng=jax.random.key(config.seed + 1), temperature=temperature,
-                              eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh)
+                              eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh, **sampler.memory_limits())
       tokens = multihost.gather_rows(out.tokens[:stop - start], len(prompt_rows))  # [N * n, T]
       lengths = multihost.gather_rows(out.lengths[:stop - start], len(prompt_rows))  # [N * n]
       return rollout.decode(tokenizer, tokens, lengths), lengths
@@ -372,8 +374,15 @@ def _build_judge(config, policy_model, tokenizer, mesh):
     else:
       graphdef, params = nnx.split(policy_model)
       model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
-    return judge_lib.judge_from_config(judge_config, model=model, tokenizer=tokenizer, mesh=mesh)
+    return judge_lib.judge_from_config(judge_config, model=model, tokenizer=tokenizer, mesh=mesh,
+                                       sampler_limits=sampler_limits(config))
   return judge_lib.judge_from_config(judge_config)
+
+
+def sampler_limits(config) -> dict[str, int]:
+  """The rollout.* memory bounds of every sampler call (rollouts, evaluation, the model judge), as keyword
+  arguments of `sampling.generate`."""
+  return {name: int(config.rollout[name]) for name in sampling.MEMORY_LIMITS}
 
 
 def _join_sampler_calls(policy_at, requests, book: rollout.PromptBook, settings: rollout.SamplerSettings, *, rng,
@@ -389,7 +398,7 @@ def _join_sampler_calls(policy_at, requests, book: rollout.PromptBook, settings:
     sampling.generate(policy_at(delay), [book.prompt_ids(requests[0].qid)], max_new_tokens=settings.max_new_tokens,
                       rng=jax.random.fold_in(rng, delay), temperature=settings.temperature, top_p=settings.top_p,
                       top_k=settings.top_k, eos_ids=settings.eos_ids, pad_id=settings.pad_id, mesh=mesh,
-                      pad_batch_to=pad_batch_to)
+                      pad_batch_to=pad_batch_to, **settings.memory_limits())  # the same calls as the other hosts
 
 
 def _log_host_row(step: int, row: dict, num_hosts: int) -> None:

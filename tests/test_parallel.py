@@ -68,7 +68,7 @@ def test_model_from_config_loads_each_tensor_onto_its_shard(tmp_path):
   save_pretrained(Transformer(_CONFIG, rngs=nnx.Rngs(0)), _CONFIG, str(tmp_path))
   run = ml_collections.ConfigDict({"seed": 0, "model": {
       "preset": "tiny", "path": str(tmp_path), "param_dtype": "float32", "compute_dtype": "float32",
-      "attention": "xla", "remat": True}})
+      "attention": "auto", "attention_block_size": 512, "remat": True}})
   model, model_config = parallel.model_from_config(run, mesh)
   assert model_config == _CONFIG.replace(remat=True)
   embed = model.embed[...]  # [V=64, D=128] -> P('tensor', 'fsdp'): each device holds a [16, 64] block

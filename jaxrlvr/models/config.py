@@ -12,9 +12,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from jaxrlvr import config_lib
+from jaxrlvr.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 MODEL_TYPES = ("qwen2", "llama", "qwen3")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 def _dtype_name(value: Any, key: str) -> str:
@@ -53,7 +53,8 @@ class ModelConfig:
   param_dtype: Any = "float32"
   compute_dtype: Any = "float32"
   remat: bool = False
-  attention: str = "xla"
+  attention: str = "auto"
+  attention_block_size: int = 512  # query and key block of the "blockwise" attention
   initializer_range: float = 0.02
 
   def __post_init__(self):
@@ -70,6 +71,9 @@ class ModelConfig:
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(
           f"models/config.py: attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+    if isinstance(self.attention_block_size, bool) or not isinstance(self.attention_block_size, int) or (
+        self.attention_block_size < 1):
+      raise ValueError(f"models/config.py: attention_block_size={self.attention_block_size!r} must be an integer >= 1")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "max_position_embeddings"):
       if int(getattr(self, key)) < 1:
@@ -147,7 +151,8 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def from_config(config: Any) -> ModelConfig:
-  """Builds the ModelConfig named by `config.model` (keys: preset, param_dtype, compute_dtype, attention, remat).
+  """Builds the ModelConfig named by `config.model` (keys: preset, param_dtype, compute_dtype, attention,
+  attention_block_size, remat).
 
   `config` is the whole run config (an ml_collections ConfigDict) or its `model` sub-config. When `model.path` is a
   checkpoint directory the architecture comes from its config.json instead (see `models.hf.load_pretrained`).
@@ -155,7 +160,7 @@ def from_config(config: Any) -> ModelConfig:
   model = config.model if hasattr(config, "model") and not isinstance(config.model, str) else config
   base = get_preset(model.preset)
   changes = {}
-  for key in ("param_dtype", "compute_dtype", "attention", "remat"):
+  for key in ("param_dtype", "compute_dtype", "attention", "attention_block_size", "remat"):
     if hasattr(model, key):
       changes[key] = getattr(model, key)
   return base.replace(**changes)

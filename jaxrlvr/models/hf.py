@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrlvr.models.config import MODEL_TYPES, ModelConfig
-from jaxrlvr.models.sharding import param_shardings
+from jaxrlvr.models.sharding import BATCH_AXES, param_shardings
 from jaxrlvr.models.transformer import Transformer
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -356,6 +356,8 @@ def load_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any =
                      f"{unexpected[:5]} in {os.path.basename(files[unexpected[0]])}")
 
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  if mesh is not None:  # rows of the hidden states over the batch axes (Transformer._hold_sharding)
+    abstract.activation_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_AXES))
   graphdef, abs_state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(abs_state))
   shardings = None

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrlvr.models import attention as attention_lib
+# The xla path's pieces, importable from here as before the attention moved to models/attention.py.
+from jaxrlvr.models.attention import attention_weights_mask, dot_product_attention  # noqa: F401
 from jaxrlvr.models.config import ModelConfig
 
 Cache = list  # one {'k': [B, K, S, H], 'v': [B, K, S, H]} dict per layer
@@ -81,51 +84,6 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
-  """Boolean [B, T, S]: causal by slot and restricted to real keys.
-
-  `query_slots` [T] are the slots the queries occupy, `key_mask` [B, S] marks real keys. A query row with no allowed
-  key (a left-padding query) is allowed its own slot only, so softmax never sees an empty row and nothing is NaN;
-  rows with at least one real key are unchanged.
-  """
-  slots = jnp.arange(key_mask.shape[1])
-  causal = slots[None, :] <= query_slots[:, None]  # [T, S]
-  allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
-  empty = ~jnp.any(allowed, axis=-1, keepdims=True)  # [B, T, 1]
-  own = (slots[None, :] == query_slots[:, None])[None]  # [1, T, S]
-  return allowed | (empty & own)
-
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                          implementation: str) -> jax.Array:
-  """q [B, T, N, H], k/v [B, K, S, H] (heads before slots), mask [B, T, S] -> [B, T, N, H] (grouped-query attention).
-
-  Keys and values come heads-first, the KV cache's layout, so that both contractions below read the cache as stored:
-  with [B, S, K, H], XLA:CPU ran the probabilities-times-values contraction as a transposed batched dot that took
-  ~40% of a tiny-model decode step.
-  """
-  b, t, n, h = q.shape
-  kv_heads = k.shape[1]
-  scale = 1.0 / math.sqrt(h)
-  if implementation == "cudnn":
-    # cuDNN's fused kernel runs on NVIDIA GPUs in half precision only; say so instead of failing inside lowering.
-    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
-      raise ValueError(f"models/transformer.py: attention='cudnn' needs a GPU backend and a bfloat16/float16 "
-                       f"compute_dtype (backend {jax.default_backend()!r}, dtype {q.dtype}); use attention='xla'")
-    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, S, K, H], the layout of jax.nn.dot_product_attention
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
-  g = n // kv_heads
-  # Queries as [B, K, G*T, H]: both contractions are then plain batched matmuls over (B, K) that read keys and
-  # values in the cache's layout (other orders made XLA:CPU pick transposed, several times slower, dot kernels).
-  q = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)  # [B, K, G*T, H]
-  scores = jnp.einsum("BKQH,BKSH->BKQS", q, k, preferred_element_type=jnp.float32) * scale  # [B, K, G*T, S]
-  allowed = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, mask.shape[-1])).reshape(b, 1, g * t, -1)
-  scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKQS,BKSH->BKQH", probs, v)  # [B, K, G*T, H]
-  return out.reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # [B, T, N, H]
-
-
 class Attention(nnx.Module):
   """GQA self-attention with RoPE, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3), and a KV cache."""
 
@@ -176,8 +134,8 @@ class Attention(nnx.Module):
       new_cache = {"k": k, "v": v}
       k, v = k.astype(dt), v.astype(dt)
       query_slots = cache_index + jnp.arange(t)
-    mask = attention_weights_mask(query_slots, key_mask)  # [B, T, S]
-    out = dot_product_attention(q, k, v, mask, implementation=c.attention)  # [B, T, N, H]
+    out = attention_lib.attend(q, k, v, query_slots, key_mask, implementation=c.attention,
+                               block_size=c.attention_block_size)  # [B, T, N, H]
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
     return out, new_cache
 
@@ -262,7 +220,19 @@ def _run_block(block: Block, x, positions, key_mask, cache, cache_index):
   return block(x, positions, key_mask, cache, cache_index)
 
 
-_run_block_remat = nnx.remat(_run_block)
+def _run_block_remat(block: Block, x, positions, key_mask, cache, cache_index):
+  """`_run_block` under `jax.checkpoint`: the backward pass recomputes the block's activations from its input.
+
+  The block enters a pure function as (graphdef, state) instead of through `nnx.remat`, which refuses parameters
+  merged at an outer trace level (TraceContextError): the scorer and the sampler merge the model outside their
+  lax.map / while_loop bodies, so with remat on they failed.
+  """
+  graphdef, state = nnx.split(block)
+
+  def pure(state, *args):
+    return _run_block(nnx.merge(graphdef, state), *args)
+
+  return jax.checkpoint(pure)(state, x, positions, key_mask, cache, cache_index)
 
 
 class Transformer(nnx.Module):
@@ -278,6 +248,9 @@ class Transformer(nnx.Module):
     if not c.tie_embeddings:
       self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.param_dtype,
                             stddev=c.initializer_range)
+    # The sharding the hidden states [B, T, D] are held to (`_hold_sharding`); parallel.create_model and
+    # models.load_pretrained set it to their mesh's batch sharding. None: no constraint (no mesh).
+    self.activation_sharding = None
 
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                attention_mask: jax.Array | None = None) -> jax.Array:
@@ -319,14 +292,27 @@ class Transformer(nnx.Module):
         else:
           positions = jnp.maximum(jnp.cumsum(key_mask.astype(jnp.int32), axis=1) - 1, 0)  # [B, T]
 
-    x = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)  # [B, T, D]
+    x = self._hold_sharding(jnp.take(self.embed[...], input_ids, axis=0).astype(dt))  # [B, T, D]
     run = _run_block_remat if c.remat else _run_block
     new_cache = [] if cache is not None else None
     for i, block in enumerate(self.layers):
       x, layer_cache = run(block, x, positions, key_mask, None if cache is None else cache[i], cache_index)
+      x = self._hold_sharding(x)
       if cache is not None:
         new_cache.append(layer_cache)
     return self.final_norm(x), new_cache
+
+  def _hold_sharding(self, x: jax.Array) -> jax.Array:
+    """x [B, T, D] constrained to `activation_sharding` (rows over the batch axes), when one is set.
+
+    Without it the partitioner gave the hidden states the embedding table's split of D over 'fsdp' and replicated
+    the rows: on a 1 x 8 x 1 mesh every device computed all rows of a batch, 8x the activations (the scorer of a
+    7B-wide layer: 90.5 GB of temporaries instead of 3.4 GB, `compiled.memory_analysis()`); with the rows held,
+    each layer's weights are all-gathered instead, which is what FSDP means.
+    """
+    if self.activation_sharding is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.activation_sharding)
 
   def unembedding(self) -> jax.Array:
     """The [D, V] output projection in the compute dtype (the transposed embedding when tied)."""

@@ -229,12 +229,15 @@ class ModelJudge(Judge):
   call sees the same batch shape (no recompilation for a short tail). A prompt longer than `max_prompt_tokens`
   is not truncated -- cutting the reference or the answer would change what is judged -- it fails with `error`.
   With a sharded judge model pass its `mesh`; `batch_size` should then be a multiple of the mesh's batch shards.
+  max_rows_per_device, prefill_rows_per_device and prefill_chunk_tokens bound the sampler's memory as in
+  `sampling.generate` (0: off; config rollout.*); they reach `generate_fn` only when set.
   """
 
   def __init__(self, model, tokenizer, *, max_new_tokens: int = 512, batch_size: int = 8,
                eos_ids: Sequence[int] | None = None, pad_id: int | None = None,
                max_prompt_tokens: int | None = None, seed: int = 0, mesh: Any = None,
-               generate_fn: Callable[..., Any] | None = None):
+               generate_fn: Callable[..., Any] | None = None, max_rows_per_device: int = 0,
+               prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0):
     if max_new_tokens < 1:
       raise ValueError(f"ModelJudge: max_new_tokens={max_new_tokens} must be >= 1")
     if batch_size < 1:
@@ -257,6 +260,12 @@ class ModelJudge(Judge):
     self.max_prompt_tokens = max_prompt_tokens
     self.seed = seed
     self._sampler_kwargs = {} if mesh is None else {"mesh": mesh}  # a judge model sharded over this mesh
+    limits = {"max_rows_per_device": max_rows_per_device, "prefill_rows_per_device": prefill_rows_per_device,
+              "prefill_chunk_tokens": prefill_chunk_tokens}
+    for name, value in limits.items():
+      if value < 0:
+        raise ValueError(f"ModelJudge: {name}={value} must be >= 0 (0: no limit)")
+    self._sampler_kwargs.update({name: int(value) for name, value in limits.items() if value})
     self._generate = generate_fn
 
   def prompt_ids(self, request: JudgeRequest) -> list[int]:
@@ -292,13 +301,14 @@ class ModelJudge(Judge):
     return results
 
 
-def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None) -> Judge:
+def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None, sampler_limits=None) -> Judge:
   """Builds the judge named by `cfg.kind` ("http" | "model") from the `exprl.judge` config block.
 
   http: base_url, model_name, timeout_s, max_retries, max_concurrency, max_tokens, api_key_env (the NAME of an
   environment variable holding the key, so keys never sit in configs or checkpoints).
   model: the caller loads the judge model and tokenizer (e.g. `models.load_pretrained(cfg.path)`) and passes them;
-  max_new_tokens, batch_size, max_prompt_tokens (0: no limit).
+  max_new_tokens, batch_size, max_prompt_tokens (0: no limit); `sampler_limits` (the config's rollout.*
+  max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens) bound its sampler's memory.
   """
   import os  # pylint: disable=g-import-not-at-top
 
@@ -317,5 +327,5 @@ def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None) -> Judge:
                        "judge_from_config(cfg, model=..., tokenizer=...)")
     max_prompt = cfg.get("max_prompt_tokens", 0) or None
     return ModelJudge(model, tokenizer, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                      max_prompt_tokens=max_prompt, mesh=mesh)
+                      max_prompt_tokens=max_prompt, mesh=mesh, **(sampler_limits or {}))
   raise JudgeError(f"config exprl.judge.kind={kind!r}: expected 'http' or 'model'")
