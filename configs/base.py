@@ -51,6 +51,9 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.data.answer_field = "answer"
   c.data.solution_field = "solution"  # the warm start's targets; a source whose rows lack it skips the warm start
   c.data.eval_size = 200  # questions evaluated: the first of the eval set (0: all of it)
+  # RL draws its fresh questions from the first N training rows (0: all); the warm start still reads every row. The
+  # comparison's data-limited regime sets it so that questions come back (jaxrlvr/compare_arms.py).
+  c.data.rl_train_size = 0
   # Every training and eval prompt is checked against this at start; the embedded task's are at most 15 tokens.
   c.data.max_prompt_len = 16
   c.data.worked_fraction = 1.0  # synthetic task only: share of train solutions that show their work (rest: bare)

@@ -1,11 +1,16 @@
-"""Method comparison at an equal rollout budget: runs, resumes, a results table with confidence intervals, plots.
+"""Method comparison at an equal rollout budget: runs, resumes, results tables with confidence intervals, plots.
 
+    python -m jaxrlvr.compare --preset=data_limited --outdir=/tmp/compare_limited
     python -m jaxrlvr.compare --methods=grpo,exgrpo,advantage_priority,bapo --seeds=3 --outdir=/tmp/compare
 
-Every method x seed trains in `DIR/runs/<method>-s<seed>` (the main job as a subprocess, one CPU device each, up to
-`--parallel` at a time); rerunning the command skips finished runs and resumes killed ones, because `train.run`
-continues from the checkpoints of its workdir. Then `DIR/results.md`, `DIR/results.csv`, `DIR/runs.csv` and one PNG
-per question are written.
+A preset is a regime (`fresh`, `data_limited`) with its default arms and seeds; an arm is a method config plus
+overrides, so an ablation is a row (compare_arms.py lists both). `--arms=grpo,exgrpo-no_shaping,sft` picks the arms,
+`--methods` names method configs as they are. Every arm x seed trains in `DIR/runs/<arm>-s<seed>` (the main job as a
+subprocess, one CPU device each, up to `--parallel` at a time); rerunning the command skips finished runs and resumes
+killed ones, because `train.run` continues from the checkpoints of its workdir. The `sft` arm runs the supervised
+control (sft_control.py) once the grpo run of its seed has finished, for as long as that run trained. Then
+`DIR/results.md`, `DIR/results.csv`, `DIR/runs.csv` and the plots are written (compare_stats.py says what each
+column is).
 
 How the runs get an equal budget. Methods generate different numbers of tokens per step (an ExGRPO replay question
 samples K-1 answers, not K; BAPO re-rolls hard questions; answers get shorter or longer as the policy changes), so
@@ -22,9 +27,7 @@ the evaluations with straight lines, holds the last value up to the budget and i
 mean accuracy over the budget, in [0, 1].
 """
 import concurrent.futures
-import csv
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -33,213 +36,51 @@ import sys
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
+from jaxrlvr import compare_arms
+from jaxrlvr import compare_stats
 from jaxrlvr import run_data
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ("grpo", "exgrpo", "advantage_priority", "bapo")
+REPO_ROOT = compare_arms.REPO_ROOT
+METHODS = compare_arms.METHODS
 TOKENS_KEY, ACCURACY_KEY = run_data.TOKENS_KEY, run_data.ACCURACY_KEY
+CompareError = compare_arms.CompareError
 
-
-# Reading runs and the interval over seeds live in run_data.py, which plots.py uses too (plots must not import this
-# module, which draws with it); the names stay here, where the notebooks and users reach them.
+# Reading runs lives in run_data.py (plots.py uses it too), the statistics and tables in compare_stats.py, presets and
+# arms in compare_arms.py; the names stay here too, where the notebooks and users reach them.
 RunData = run_data.RunData
 read_rows = run_data.read_rows
 cumulative_tokens = run_data.cumulative_tokens
 load_run = run_data.load_run
 confidence_interval = run_data.confidence_interval
-
-
-# ------------------------------------------------------------------------------------------------ Statistics
-def accuracy_at(tokens: np.ndarray, accuracy: np.ndarray, budget: float) -> float:
-  """The last evaluation at or below the budget."""
-  inside = np.flatnonzero(np.asarray(tokens) <= budget)
-  if not len(inside):
-    raise ValueError(f"no evaluation at or below the budget of {budget:g} tokens")
-  return float(np.asarray(accuracy)[inside[-1]])
-
-
-def area_under_curve(tokens: np.ndarray, accuracy: np.ndarray, budget: float) -> float:
-  """Mean accuracy over [0, budget]: evaluations joined linearly, the last one held to the budget (module doc)."""
-  if budget <= 0:
-    raise ValueError(f"the budget must be > 0 tokens, got {budget}")
-  tokens, accuracy = np.asarray(tokens, np.float64), np.asarray(accuracy, np.float64)
-  keep = tokens <= budget
-  if not keep.any() or tokens[keep][0] > 0:
-    raise ValueError("the accuracy curve needs an evaluation at 0 tokens (step 0)")
-  x = np.append(tokens[keep], budget)
-  y = np.append(accuracy[keep], accuracy[keep][-1])
-  return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2) / budget)
-
-
-@dataclasses.dataclass
-class Summary:
-  budget_tokens: float
-  baseline: str  # the method the paired differences are taken against
-  methods: list[dict]  # one row per method: means and 95% CI half-widths over seeds
-  runs: list[dict]  # one row per run
-
-
-def summarize(runs: Sequence[RunData], *, budget_tokens: float | None = None, baseline: str | None = None) -> Summary:
-  """The results table. Budget: `budget_tokens`, or the smallest total any run generated (module docstring).
-
-  Besides each metric's mean over seeds, the table has paired differences: a run's gain over its own step-0
-  accuracy, and its accuracy and AUC minus those of the `baseline` method's run with the same seed (default: the
-  first method). A seed fixes the warm start and the held-out questions, which move accuracy by more than the
-  methods do, so differences within a seed have much narrower intervals than the means across seeds.
-  """
-  if not runs:
-    raise ValueError("summarize: no runs")
-  baseline = runs[0].method if baseline is None else baseline
-  if baseline not in {r.method for r in runs}:
-    methods = sorted({r.method for r in runs})
-    raise ValueError(f"summarize: baseline method {baseline!r} has no runs; methods: {methods}")
-  budget = min(r.total_tokens for r in runs) if budget_tokens is None else float(budget_tokens)
-  short = [f"{r.name} ({r.total_tokens:.0f})" for r in runs if r.total_tokens < budget]
-  if short:
-    raise ValueError(f"runs that generated fewer tokens than the budget of {budget:.0f}: {', '.join(short)}")
-  per_run = []
-  for r in runs:
-    _, eval_tokens, accuracy = r.series(ACCURACY_KEY)
-    steps, step_tokens, step_times = r.series("time/step_s")
-    within = step_tokens <= budget
-    per_run.append({
-        "run": r.name, "method": r.method, "seed": r.seed,
-        "initial_accuracy": float(accuracy[0]) if len(accuracy) and eval_tokens[0] == 0 else float("nan"),
-        "final_accuracy": accuracy_at(eval_tokens, accuracy, budget),
-        "auc": area_under_curve(eval_tokens, accuracy, budget),
-        # The median leaves out the first steps' compilation.
-        "step_time_s": float(np.median(step_times[within])) if within.any() else float("nan"),
-        "steps_at_budget": int(steps[within][-1]) if within.any() else 0,
-        "tokens_per_step": float(r.tokens[int(steps[within][-1])] / steps[within][-1]) if within.any() else 0.0,
-        "total_steps": int(max(r.rows)), "total_tokens": r.total_tokens,
-    })
-  base = {r["seed"]: r for r in per_run if r["method"] == baseline}
-  for r in per_run:
-    b = base.get(r["seed"])
-    r["accuracy_gain"] = r["final_accuracy"] - r["initial_accuracy"]
-    r["accuracy_vs_baseline"] = r["final_accuracy"] - b["final_accuracy"] if b else float("nan")
-    r["auc_vs_baseline"] = r["auc"] - b["auc"] if b else float("nan")
-  methods = []
-  for method in dict.fromkeys(r["method"] for r in per_run):
-    rows = [r for r in per_run if r["method"] == method]
-    row = {"method": method, "seeds": len(rows), "budget_tokens": budget}
-    for key in _STATS:
-      mean, half = confidence_interval([r[key] for r in rows])
-      row[f"{key}_mean"], row[f"{key}_ci95"] = float(mean), float(half)
-    methods.append(row)
-  return Summary(budget_tokens=budget, baseline=baseline, methods=methods, runs=per_run)
-
-
-# ------------------------------------------------------------------------------------------------ Writing results
-# (key, column title, digits); "{b}" is the baseline method.
-_TABLE = (("final_accuracy", "held-out accuracy at budget", 3), ("accuracy_gain", "gain over step 0", 3),
-          ("accuracy_vs_baseline", "accuracy - {b}", 3), ("auc", "AUC (normalised)", 3),
-          ("auc_vs_baseline", "AUC - {b}", 3), ("initial_accuracy", "accuracy at step 0", 3),
-          ("step_time_s", "step time (s)", 2), ("steps_at_budget", "steps to budget", 0),
-          ("tokens_per_step", "tokens / step", 0))
-_STATS = tuple(key for key, _, _ in _TABLE)
-
-
-def _pm(mean: float, half: float, digits: int) -> str:
-  if np.isnan(mean):
-    return "n/a"
-  return f"{mean:.{digits}f}" if np.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
-
-
-def write_results(summary: Summary, outdir: str, *, command: str = "", wall_s: float | None = None,
-                  plots: Sequence[str] = (), missing: Sequence[str] = ()) -> None:
-  """DIR/results.csv (per method), DIR/runs.csv (per run) and DIR/results.md (both tables, the plots, the setup)."""
-  os.makedirs(outdir, exist_ok=True)
-  for name, rows in (("results.csv", summary.methods), ("runs.csv", summary.runs)):
-    with open(os.path.join(outdir, name), "w", newline="", encoding="utf-8") as f:
-      writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-      writer.writeheader()
-      writer.writerows(rows)
-  lines = ["# Method comparison at an equal rollout budget", ""]
-  if command:
-    lines += [f"Command: `{command}`", ""]
-  if wall_s is not None:
-    lines += [f"Wall time of this invocation: {wall_s / 60:.1f} min (runs already finished are not re-run).", ""]
-  lines += [f"Budget: {summary.budget_tokens:,.0f} generated rollout tokens per run. Accuracy is greedy held-out "
-            "accuracy at the last evaluation at or below the budget; AUC is the mean accuracy over the budget "
-            "(evaluations joined linearly); step time is the median over the run's steps, measured with the runs "
-            "sharing the machine (--parallel), so compare it within this table. Entries are the mean ± the "
-            "half-width of the 95% t-interval over seeds (none with one seed).", ""]
-  lines += [f"Paired columns: the gain is each run's accuracy at the budget minus its own accuracy at step 0; "
-            f"`- {summary.baseline}` is the difference to the {summary.baseline} run of the same seed (same warm "
-            "start, same held-out questions), then averaged over seeds.", ""]
-  lines += ["| method | seeds | " + " | ".join(t.format(b=summary.baseline) for _, t, _ in _TABLE) + " |",
-            "|---|---|" + "---|" * len(_TABLE)]
-  for m in summary.methods:
-    cells = ["baseline" if "vs_baseline" in k and m["method"] == summary.baseline else
-             _pm(m[f"{k}_mean"], m[f"{k}_ci95"], d) for k, _, d in _TABLE]
-    lines.append(f"| {m['method']} | {m['seeds']} | " + " | ".join(cells) + " |")
-  lines += ["", "## Runs", "",
-            f"| run | accuracy at step 0 | accuracy at budget | gain | accuracy - {summary.baseline} "
-            "| AUC | step time (s) | steps to budget | steps run | tokens generated |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in summary.runs:
-    lines.append(f"| {r['run']} | {r['initial_accuracy']:.3f} | {r['final_accuracy']:.3f} | "
-                 f"{r['accuracy_gain']:+.3f} | {r['accuracy_vs_baseline']:+.3f} | {r['auc']:.3f} | "
-                 f"{r['step_time_s']:.2f} | {r['steps_at_budget']} | {r['total_steps']} | {r['total_tokens']:,.0f} |")
-  if missing:
-    lines += ["", f"Not included (no finished metrics): {', '.join(missing)}."]
-  if plots:
-    lines += ["", "## Plots", ""] + [f"![{os.path.splitext(p)[0]}]({p})" for p in plots]
-  with open(os.path.join(outdir, "results.md"), "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
+accuracy_at = compare_stats.accuracy_at
+area_under_curve = compare_stats.area_under_curve
+Summary = compare_stats.Summary
+summarize = compare_stats.summarize
+write_results = compare_stats.write_results
+method_config = compare_arms.method_config
+apply_override = compare_arms.apply_override
 
 
 # ------------------------------------------------------------------------------------------------ Running
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-  method: str
+  arm: str
   seed: int
   workdir: str
   log_path: str
+  method: str = ""  # the config file configs/<method>.py; empty: the arm's name
+  overrides: tuple[str, ...] = ()  # this run's own (the arm's), after the comparison's
+  kind: str = "rl"  # "rl" (the main job) or "sft" (sft_control.py)
+  after: str = ""  # the run whose end this one waits for (the sft control: the grpo run of its seed)
+  flags: tuple[str, ...] = ()  # the control's own flags
 
   @property
   def name(self) -> str:
-    return f"{self.method}-s{self.seed}"
+    return f"{self.arm}-s{self.seed}"
 
-
-def method_config(method: str, *, smoke: bool = False, configs_dir: str = os.path.join(REPO_ROOT, "configs")):
-  """The method's config (to read total_steps and eval_every), imported the way the main job's flag does."""
-  path = os.path.join(configs_dir, f"{method}.py")
-  if not os.path.exists(path):
-    known = sorted(f[:-3] for f in os.listdir(configs_dir) if f.endswith(".py") and f not in ("base.py", "__init__.py"))
-    raise ValueError(f"--methods: no config {path} for method {method!r}; known: {known}")
-  root = os.path.dirname(os.path.abspath(configs_dir))
-  if root not in sys.path:
-    sys.path.insert(0, root)
-  return importlib.import_module(f"{os.path.basename(os.path.normpath(configs_dir))}.{method}").get_config(
-      "smoke" if smoke else None)
-
-
-def apply_override(config, override: str) -> None:
-  """`key.sub=value` (as `--config.key.sub=value`) onto a config, the value cast to the type of the current one."""
-  text = override[len("--config."):] if override.startswith("--config.") else override
-  key, sep, value = text.partition("=")
-  *parents, leaf = key.split(".")
-  node = config
-  try:
-    for p in parents:
-      node = node[p]
-    current = node[leaf]
-  except KeyError:
-    raise ValueError(f"--override={override!r}: the config has no key {key!r}") from None
-  if not sep:
-    raise ValueError(f"--override={override!r}: expected key=value")
-  if isinstance(current, bool):
-    if value.lower() not in ("true", "false", "1", "0"):
-      raise ValueError(f"--override={override!r}: {key} is a bool; got {value!r}")
-    node[leaf] = value.lower() in ("true", "1")
-  elif isinstance(current, (int, float, str)):
-    node[leaf] = type(current)(value)
-  else:
-    raise ValueError(f"--override={override!r}: {key} holds a {type(current).__name__}; pass it to the main job")
+  @property
+  def config_name(self) -> str:
+    return self.method or self.arm
 
 
 def check_workdir(spec: RunSpec, config) -> None:
@@ -252,8 +93,8 @@ def check_workdir(spec: RunSpec, config) -> None:
   with open(path, encoding="utf-8") as f:
     changes = checkpointing.incompatible_changes(json.load(f), config.to_dict())
   if changes:
-    raise ValueError(f"{spec.workdir} holds a run whose config differs from this comparison's: {'; '.join(changes)}. "
-                     "Use another --outdir, or the same flags and overrides as before.")
+    raise CompareError(f"{spec.workdir} holds a run whose config differs from this comparison's: "
+                       f"{'; '.join(changes)}. Use another --outdir, or the same flags and overrides as before.")
 
 
 def finished_step(workdir: str) -> int:
@@ -261,6 +102,16 @@ def finished_step(workdir: str) -> int:
   directory = os.path.join(workdir, "checkpoints")
   steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
   return max(steps, default=0)
+
+
+def sft_finished_wall(workdir: str) -> float:
+  """The training seconds a finished control run was asked for; 0 when it has not finished."""
+  path = os.path.join(workdir, run_data.SFT_FILE)
+  if not os.path.exists(path):
+    return 0.0
+  with open(path, encoding="utf-8") as f:
+    state = json.load(f)
+  return float(state["target_wall_s"]) if state.get("finished") else 0.0
 
 
 def run_env(threads: int) -> dict:
@@ -279,15 +130,26 @@ def run_env(threads: int) -> dict:
   return env
 
 
-def train_command(spec: RunSpec, *, steps: int, eval_every: int, smoke: bool, cache_dir: str,
-                  overrides: Sequence[str] = (), configs_dir: str = os.path.join(REPO_ROOT, "configs")) -> list[str]:
-  cmd = [sys.executable, "-m", "jaxrlvr.main",
-         f"--config={os.path.join(configs_dir, spec.method + '.py')}{':smoke' if smoke else ''}",
-         f"--workdir={spec.workdir}", f"--config.seed={spec.seed}", f"--config.total_steps={steps}",
-         "--config.log_every=1", f"--config.eval_every={eval_every}", "--config.reward.num_workers=1"]
+def _config_flags(spec: RunSpec, *, smoke: bool, cache_dir: str, overrides: Sequence[str], configs_dir: str):
+  cmd = [f"--config={os.path.join(configs_dir, spec.config_name + '.py')}{':smoke' if smoke else ''}",
+         f"--workdir={spec.workdir}", f"--config.seed={spec.seed}", "--config.reward.num_workers=1"]
   if cache_dir:
     cmd.append(f"--config.warm_start.cache_dir={cache_dir}")
-  return cmd + [o if o.startswith("--") else f"--config.{o}" for o in overrides]
+  return cmd + [o if o.startswith("--") else f"--config.{o}" for o in (*overrides, *spec.overrides)]
+
+
+def train_command(spec: RunSpec, *, steps: int, eval_every: int, smoke: bool, cache_dir: str,
+                  overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR) -> list[str]:
+  flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir)
+  return [sys.executable, "-m", "jaxrlvr.main", *flags[:3], f"--config.total_steps={steps}", "--config.log_every=1",
+          f"--config.eval_every={eval_every}", *flags[3:]]
+
+
+def sft_command(spec: RunSpec, *, wall_s: float, evals: int, smoke: bool, cache_dir: str,
+                overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR) -> list[str]:
+  flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir)
+  return [sys.executable, "-m", "jaxrlvr.sft_control", *flags, f"--wall_s={wall_s:.6f}", f"--evals={evals}",
+          *spec.flags]
 
 
 def run_one(spec: RunSpec, *, steps: int, budget_tokens: float | None, launch, max_extensions: int = 20) -> int:
@@ -310,25 +172,55 @@ def run_one(spec: RunSpec, *, steps: int, budget_tokens: float | None, launch, m
   raise RuntimeError(f"{spec.name}: still short of {budget_tokens:.0f} tokens after {max_extensions} extensions")
 
 
-def run_all(specs: Sequence[RunSpec], *, parallel: int, launch, steps: int, budget_tokens: float | None) -> dict:
+def run_sft(spec: RunSpec, *, baseline_workdir: str, launch_sft) -> float:
+  """The control run: as many training seconds as the baseline run (its `time/step_s` summed over every step it
+  trained). `launch_sft(spec, wall_s)` runs sft_control.py and returns its exit code. Returns the seconds."""
+  baseline = load_run(baseline_workdir)
+  wall_s = baseline.wall[max(baseline.rows)]
+  if sft_finished_wall(spec.workdir) >= wall_s - 0.01:  # --wall_s passes it to the millisecond
+    return wall_s
+  code = launch_sft(spec, wall_s)
+  if code != 0:
+    raise RuntimeError(f"{spec.name}: the supervised control exited with {code}; its log is {spec.log_path}")
+  return wall_s
+
+
+def run_all(specs: Sequence[RunSpec], *, parallel: int, launch, steps: int, budget_tokens: float | None,
+            launch_sft=None) -> dict:
   """Runs every spec, `parallel` at a time. The first run of each seed goes first and the others of that seed wait
-  for its step-0 metrics, by which time its warm start is cached for them. Returns {name: error or None}."""
+  for its step-0 metrics, by which time its warm start is cached for them; a spec with `after` waits for that run to
+  end (the control runs come last, so what they wait for has always started). Returns {name: error or None}."""
+  by_name = {s.name: s for s in specs}
+  missing = sorted({s.after for s in specs if s.after and s.after not in by_name})
+  if missing:
+    raise CompareError(f"runs {missing} are waited for but not part of the comparison")
   leaders = {}
   for s in specs:
-    leaders.setdefault(s.seed, s)
-  ordered = list(leaders.values()) + [s for s in specs if leaders[s.seed] is not s]
+    if s.kind == "rl":
+      leaders.setdefault(s.seed, s)
+  ordered = list(leaders.values()) + [s for s in specs if leaders.get(s.seed) is not s and s.kind == "rl"]
+  ordered += [s for s in specs if s.kind != "rl"]
   finished = {s.name: False for s in ordered}
+  errors: dict = {}
 
   def job(spec: RunSpec):
-    leader = leaders[spec.seed]
+    leader = leaders.get(spec.seed, spec)
     while leader is not spec and not finished[leader.name] and not os.path.exists(
         os.path.join(leader.workdir, "metrics.jsonl")):
       time.sleep(1.0)
+    while spec.after and not finished[spec.after]:
+      time.sleep(1.0)
     try:
-      run_one(spec, steps=steps, budget_tokens=budget_tokens, launch=launch)
+      if spec.after and errors.get(spec.after):
+        raise RuntimeError(f"{spec.name}: {spec.after} failed, so there is no wall time to match")
+      if spec.kind == "sft":
+        run_sft(spec, baseline_workdir=by_name[spec.after].workdir, launch_sft=launch_sft)
+      else:
+        run_one(spec, steps=steps, budget_tokens=budget_tokens, launch=launch)
       return None
     except Exception as e:  # pylint: disable=broad-except  (one failed run must not stop the others)
-      return f"{type(e).__name__}: {e}"
+      errors[spec.name] = f"{type(e).__name__}: {e}"
+      return errors[spec.name]
     finally:
       finished[spec.name] = True
 
@@ -338,70 +230,137 @@ def run_all(specs: Sequence[RunSpec], *, parallel: int, launch, steps: int, budg
     return {name: f.result() for name, f in futures.items()}
 
 
+def _logged_subprocess(spec: RunSpec, cmd: list[str], what: str, *, env: dict, cwd: str) -> int:
+  os.makedirs(os.path.dirname(spec.log_path), exist_ok=True)
+  print(f"compare: {spec.name}: {what} (log: {spec.log_path})", flush=True)
+  t = time.time()
+  with open(spec.log_path, "a", encoding="utf-8") as log:
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    code = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+  print(f"compare: {spec.name}: exit {code} after {time.time() - t:.0f} s", flush=True)
+  return code
+
+
 def subprocess_launcher(*, eval_every: int, smoke: bool, cache_dir: str, threads: int, overrides: Sequence[str],
-                        configs_dir: str):
-  """`launch(spec, steps)` for run_one: the main job as a subprocess, its output appended to the spec's log."""
-  env = run_env(threads)
+                        configs_dir: str, evals: int = 8):
+  """(launch(spec, steps), launch_sft(spec, wall_s)) for run_all: the main job and the supervised control as
+  subprocesses, their output appended to the spec's log."""
+  env, cwd = run_env(threads), os.path.dirname(os.path.abspath(configs_dir))
 
   def launch(spec: RunSpec, steps: int) -> int:
-    os.makedirs(os.path.dirname(spec.log_path), exist_ok=True)
     cmd = train_command(spec, steps=steps, eval_every=eval_every, smoke=smoke, cache_dir=cache_dir,
                         overrides=overrides, configs_dir=configs_dir)
-    print(f"compare: {spec.name}: training to step {steps} (log: {spec.log_path})", flush=True)
-    t = time.time()
-    with open(spec.log_path, "a", encoding="utf-8") as log:
-      log.write("$ " + " ".join(cmd) + "\n")
-      log.flush()
-      code = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(configs_dir)), env=env, stdout=log,
-                            stderr=subprocess.STDOUT, check=False).returncode
-    print(f"compare: {spec.name}: exit {code} after {time.time() - t:.0f} s", flush=True)
-    return code
+    return _logged_subprocess(spec, cmd, f"training to step {steps}", env=env, cwd=cwd)
 
-  return launch
+  def launch_sft(spec: RunSpec, wall_s: float) -> int:
+    cmd = sft_command(spec, wall_s=wall_s, evals=evals, smoke=smoke, cache_dir=cache_dir, overrides=overrides,
+                      configs_dir=configs_dir)
+    return _logged_subprocess(spec, cmd, f"supervised control for {wall_s:.0f} s of training", env=env, cwd=cwd)
+
+  return launch, launch_sft
+
+
+def make_specs(arms: Sequence[compare_arms.Arm], seeds: int, outdir: str) -> list[RunSpec]:
+  """Every arm x seed, the control runs after the RL ones (run_all's order needs them last)."""
+  specs = []
+  for arm in sorted(arms, key=lambda a: a.kind != "rl"):
+    for seed in range(seeds):
+      name = f"{arm.name}-s{seed}"
+      workdir, log_path = os.path.join(outdir, "runs", name), os.path.join(outdir, "logs", f"{name}.log")
+      specs.append(RunSpec(arm.name, seed, workdir, log_path, method=arm.method, overrides=arm.overrides,
+                           kind=arm.kind, flags=arm.flags,
+                           after=f"{compare_arms.BASELINE}-s{seed}" if arm.kind == "sft" else ""))
+  return specs
 
 
 # ------------------------------------------------------------------------------------------------ Command line
+def _arm_names(f, chosen_preset) -> list[str]:
+  if f["arms"].present and f["methods"].present:
+    raise CompareError("--arms and --methods name the same thing (--methods: arms without overrides); give one")
+  if f["arms"].present:
+    return list(f.arms)
+  if f["methods"].present:
+    return list(f.methods)
+  return list(chosen_preset.arms if chosen_preset else METHODS)
+
+
+def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int) -> list[str]:
+  lines = []
+  if chosen_preset is not None:
+    lines.append(f"Regime `{chosen_preset.name}`: {chosen_preset.doc}.")
+  lines.append(f"{'Seed 0' if seeds == 1 else f'Seeds 0-{seeds - 1}'}; every run's overrides: "
+               f"{', '.join(f'`{o}`' for o in overrides) or 'none'}.")
+  lines += ["", "| arm | method | its overrides | what it changes |", "|---|---|---|---|"]
+  lines += [f"| {a.name} | {a.method} | {', '.join(f'`{o}`' for o in a.overrides) or '-'} | "
+            f"{a.doc or 'the method as its config has it'} |" for a in arms]
+  return lines
+
+
 def main(argv) -> int:
+  """The command line; a user's mistake is one line on stderr and exit code 2."""
+  try:
+    return _main(argv)
+  except CompareError as e:
+    print(f"compare: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+
+
+def _main(argv) -> int:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from jaxrlvr import plots  # pylint: disable=g-import-not-at-top  (matplotlib only where figures are drawn)
   if len(argv) > 1:
-    raise ValueError(f"compare: unexpected arguments {argv[1:]}")
+    raise CompareError(f"unexpected arguments {argv[1:]}")
   f = flags.FLAGS
   started = time.time()
   outdir = os.path.abspath(f.outdir)
-  if f.seeds < 1:
-    raise ValueError(f"--seeds must be >= 1, got {f.seeds}")
+  chosen = compare_arms.preset(f.preset) if f.preset else None
+  seeds = f.seeds if f["seeds"].present or chosen is None else chosen.seeds
+  if seeds < 1:
+    raise CompareError(f"--seeds must be >= 1, got {seeds}")
   if f.budget_tokens is not None and f.budget_tokens <= 0:
-    raise ValueError(f"--budget_tokens must be > 0, got {f.budget_tokens}")
-  configs = {m: method_config(m, smoke=f.smoke, configs_dir=f.configs_dir) for m in f.methods}
+    raise CompareError(f"--budget_tokens must be > 0, got {f.budget_tokens}")
+  names = _arm_names(f, chosen)
+  arms = compare_arms.resolve_arms(names, f.configs_dir)
+  methods = dict.fromkeys(a.method for a in arms)
+  configs = {m: method_config(m, smoke=f.smoke, configs_dir=f.configs_dir) for m in methods}
   steps = f.steps or max(c.total_steps for c in configs.values())
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
-  specs = [RunSpec(m, s, os.path.join(outdir, "runs", f"{m}-s{s}"), os.path.join(outdir, "logs", f"{m}-s{s}.log"))
-           for m in f.methods for s in range(f.seeds)]
+  batch_size = max(c.rollout.batch_size for c in configs.values())
+  overrides = [*(chosen.run_overrides(steps=steps, batch_size=batch_size) if chosen else ()), *f.override]
+  specs = make_specs(arms, seeds, outdir)
+  by_arm = {a.name: a for a in arms}
+  for spec in specs:  # every arm's config checked now: a bad key or value stops here, before any run starts
+    config = compare_arms.arm_config(by_arm[spec.arm], seed=spec.seed, overrides=overrides, smoke=f.smoke,
+                                     configs_dir=f.configs_dir)
+    if not f.summarize_only:
+      check_workdir(spec, config)
+  baseline = f.baseline or (compare_arms.BASELINE if compare_arms.BASELINE in names else names[0])
+  if baseline not in names:
+    raise CompareError(f"--baseline={baseline!r} is not one of the arms {names}")
   errors = {}
   if not f.summarize_only:
-    for spec in specs:
-      config = method_config(spec.method, smoke=f.smoke, configs_dir=f.configs_dir)
-      for override in [f"seed={spec.seed}", *f.override]:
-        apply_override(config, override)
-      check_workdir(spec, config)
     threads = f.threads_per_run or max(1, (os.cpu_count() or 1) // max(1, f.parallel))
-    launch = subprocess_launcher(eval_every=eval_every, smoke=f.smoke, cache_dir=f.warm_start_cache,
-                                 threads=threads, overrides=f.override, configs_dir=f.configs_dir)
+    launch, launch_sft = subprocess_launcher(eval_every=eval_every, smoke=f.smoke, cache_dir=f.warm_start_cache,
+                                             threads=threads, overrides=overrides, configs_dir=f.configs_dir,
+                                             evals=max(1, steps // eval_every))
     errors = {k: v for k, v in run_all(specs, parallel=f.parallel, launch=launch, steps=steps,
-                                       budget_tokens=f.budget_tokens).items() if v}
+                                       budget_tokens=f.budget_tokens, launch_sft=launch_sft).items() if v}
     for name, error in errors.items():
       print(f"compare: {name} failed: {error}", file=sys.stderr)
-  runs = [load_run(s.workdir, method=s.method, seed=s.seed) for s in specs
-          if s.name not in errors and os.path.exists(os.path.join(s.workdir, "metrics.jsonl"))]
+  runs = [load_run(s.workdir, method=s.arm, seed=s.seed) for s in specs
+          if s.name not in errors and os.path.exists(os.path.join(s.workdir, "metrics.jsonl"))
+          and (s.kind == "rl" or sft_finished_wall(s.workdir))]
   missing = [s.name for s in specs if s.name not in {r.name for r in runs}]
   if not runs:
     raise RuntimeError(f"compare: no run in {outdir}/runs has metrics; failed: {sorted(errors)}")
-  summary = summarize(runs, budget_tokens=f.budget_tokens, baseline=f.baseline or None)
-  figures = plots.write_all(runs, summary.budget_tokens, outdir)
+  summary = summarize(runs, budget_tokens=f.budget_tokens, baseline=baseline, wall_reference=compare_arms.BASELINE)
+  from jaxrlvr import plots  # pylint: disable=g-import-not-at-top  (matplotlib only where figures are drawn)
+  title = chosen.name if chosen else ""
+  figures = plots.write_all(runs, summary.budget_tokens, outdir, regime=title)
   command = "python -m jaxrlvr.compare " + " ".join(a for a in sys.argv[1:])
   write_results(summary, outdir, command=command, wall_s=time.time() - started,
-                plots=[os.path.basename(p) for p in figures], missing=missing)
+                plots=[os.path.basename(p) for p in figures], missing=missing, title=title,
+                setup=_setup_lines(chosen, arms, overrides, seeds))
   with open(os.path.join(outdir, "results.md"), encoding="utf-8") as fh:
     print(fh.read())
   return 1 if errors else 0
@@ -409,8 +368,12 @@ def main(argv) -> int:
 
 def _define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_list("methods", list(METHODS), "Methods to compare: names of files in --configs_dir.")
-  flags.DEFINE_integer("seeds", 3, "Seeds per method: 0 .. N-1.")
+  flags.DEFINE_string("preset", "", f"Regime: one of {sorted(compare_arms.PRESETS)} (compare_arms.py: its "
+                      "overrides, arms and seeds); empty: the configs as they are.")
+  flags.DEFINE_list("arms", None, "Arms to compare: method configs and their named variants (compare_arms.ARMS), "
+                    "e.g. grpo,exgrpo,exgrpo-no_shaping,sft. Default: the preset's, else the four methods.")
+  flags.DEFINE_list("methods", None, "Methods to compare: names of files in --configs_dir (arms without overrides).")
+  flags.DEFINE_integer("seeds", 3, "Seeds per arm: 0 .. N-1 (default: the preset's, else 3).")
   flags.DEFINE_string("outdir", None, "Runs, logs, results.md, results.csv and the plots go here.")
   flags.DEFINE_bool("smoke", False, "Use the configs' `:smoke` settings (seconds per run; for tests).")
   flags.DEFINE_float("budget_tokens", None, "Train every run until it has generated this many rollout tokens "
@@ -421,10 +384,11 @@ def _define_flags() -> None:
   flags.DEFINE_integer("threads_per_run", None, "CPU threads per run. Default: cores / parallel.")
   flags.DEFINE_string("warm_start_cache", "", "Warm-start cache shared by the runs (default: the config's).")
   flags.DEFINE_multi_string("override", [], "Extra config override for every run, e.g. --override=optim.lr=3e-5.")
-  flags.DEFINE_string("configs_dir", os.path.join(REPO_ROOT, "configs"), "Where the method configs are.")
+  flags.DEFINE_string("configs_dir", compare_arms.CONFIGS_DIR, "Where the method configs are.")
   flags.DEFINE_bool("summarize_only", False, "Skip training (and the check that DIR/runs holds runs of this config): "
                     "summarise and plot what DIR/runs holds.")
-  flags.DEFINE_string("baseline", "", "Method the paired differences are taken against (default: the first).")
+  flags.DEFINE_string("baseline", "", "Arm the paired differences are taken against (default: grpo when compared, "
+                      "else the first).")
   flags.mark_flag_as_required("outdir")
 
 

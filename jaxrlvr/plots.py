@@ -1,7 +1,10 @@
-"""Figures: a method comparison, one PNG per question, every x axis in generated rollout tokens (the budget); and one
-run's summary against RL steps (`run_summary`, the DIR/summary.png the trainer redraws at every evaluation).
+"""Figures: a method comparison, one PNG per question, the x axis in generated rollout tokens (the budget) but for
+accuracy against training time (`accuracy_vs_wall`, where the supervised control, which generates no tokens, meets
+the RL runs); and one run's summary against RL steps (`run_summary`, the DIR/summary.png the trainer redraws at every
+evaluation).
 
-Comparison curves are per method: the mean over seeds with a band of the 95% t-interval (no band with one seed).
+Comparison curves are per arm (a method or a variant of one): the mean over seeds with a band of the 95% t-interval
+(no band with one seed).
 Per-step metrics are smoothed with a trailing moving average before averaging, since a step's batch is small and
 noisy. Inputs are `run_data.RunData` objects (anything with .method, .seed, .tokens and .series(key)).
 """
@@ -19,11 +22,16 @@ from jaxrlvr import run_data
 
 _GRID = 101  # points of the common budget axis every run is interpolated onto
 _COLORS = {"grpo": "black", "exgrpo": "tab:red", "advantage_priority": "tab:blue", "bapo": "tab:green",
-           "exprl": "tab:purple"}
+           "exprl": "tab:purple", "sft": "tab:gray"}
+# Arms without a colour of their own (the ablations) take these in order of appearance: none of _COLORS' colours.
+_EXTRA_COLORS = ("tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "gold", "navy", "lime", "teal")
 
 
 def _color(method: str, methods: Sequence[str]) -> str:
-  return _COLORS.get(method, f"C{list(methods).index(method) % 10}")
+  if method in _COLORS:
+    return _COLORS[method]
+  others = [m for m in methods if m not in _COLORS]
+  return _EXTRA_COLORS[others.index(method) % len(_EXTRA_COLORS)]
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -98,23 +106,63 @@ def _finish(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str, grid: b
 _BUDGET_LABEL = "rollout budget (generated tokens)"
 
 
-def accuracy_vs_budget(runs, budget: float, path: str) -> str:
-  """Held-out accuracy against tokens: evaluations joined linearly, the last one held to the budget (as the AUC)."""
+def _regime(regime: str) -> str:
+  return f" ({regime})" if regime else ""
+
+
+def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = run_data.ACCURACY_KEY,
+                       ylabel: str = "held-out accuracy (greedy)", name: str = "Held-out accuracy",
+                       regime: str = "") -> str | None:
+  """An evaluation metric (greedy accuracy; or pass@k) against tokens: evaluations joined linearly, the last one
+  held to the budget (as the AUC). None (nothing written) when no run logged `key`."""
   grid = np.linspace(0, budget, _GRID)
+  groups = _by_method(runs)
+  if not any(len(r.series(key)[0]) for r in runs):
+    return None
   fig = Figure(figsize=(7, 4.5))
   ax = fig.subplots()
-  groups = _by_method(runs)
   for method, members in groups.items():
     curves = []
     for r in members:
-      _, x, y = r.series(run_data.ACCURACY_KEY)
+      _, x, y = r.series(key)
       keep = x <= budget
-      curves.append(np.interp(grid, x[keep], y[keep]))
+      if not keep.any():
+        continue
+      # np.interp holds the last value past it, as the AUC does
+      curves.append(np.interp(grid, x[keep], y[keep]) if x[keep][0] == 0 else _interp(grid, x[keep], y[keep]))
       ax.plot(x[keep], y[keep], ".", color=_color(method, groups), alpha=0.35, ms=4)
-    _band(ax, grid, np.asarray(curves), _color(method, groups), method, bounds=(0, 1))
+    if curves:
+      _band(ax, grid, np.asarray(curves), _color(method, groups), method, bounds=(0, 1))
   ax.set_ylim(0, 1)
-  return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel="held-out accuracy (greedy)",
-                 title="Held-out accuracy vs rollout budget\n(mean ± 95% CI over seeds; dots: single evaluations)")
+  return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel=ylabel,
+                 title=f"{name} vs rollout budget{_regime(regime)}\n(mean ± 95% CI over seeds; dots: single "
+                 "evaluations)")
+
+
+def accuracy_vs_wall(runs, path: str, *, regime: str = "") -> str:
+  """Greedy held-out accuracy against training seconds (`RunData.wall`: step times summed, evaluations excluded):
+  the x axis on which the supervised control, which generates no tokens, is set against the RL runs. Each curve runs
+  to the shortest run of its arm (the mean needs every seed)."""
+  groups = _by_method(runs)
+  end = max(max(r.wall.values()) for r in runs)
+  grid = np.linspace(0, end, _GRID)
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.subplots()
+  for method, members in groups.items():
+    curves = []
+    for r in members:
+      steps, _, y = r.series(run_data.ACCURACY_KEY)
+      x = np.asarray([r.wall[s] for s in steps], np.float64)
+      curves.append(_interp(grid, x, y))
+      ax.plot(x, y, ".", color=_color(method, groups), alpha=0.35, ms=4)
+    curves = np.asarray(curves)
+    curves[:, np.isnan(curves).any(axis=0)] = np.nan  # where a seed has ended, the mean would change its members
+    _band(ax, grid, curves, _color(method, groups), method, bounds=(0, 1))
+  ax.set_ylim(0, 1)
+  return _finish(fig, ax, path, xlabel="training time (s: step times summed, evaluations excluded)",
+                 ylabel="held-out accuracy (greedy)",
+                 title=f"Held-out accuracy vs training time{_regime(regime)}\n(mean ± 95% CI over seeds; sft: "
+                 "supervised control, no rollouts)")
 
 
 def metric_vs_budget(runs, key: str, budget: float, path: str, *, ylabel: str, title: str, window: int = 10,
@@ -234,12 +282,20 @@ def _ratio_axes(linear, log, *, empty: str) -> None:
   log.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
-def write_all(runs, budget: float, outdir: str) -> list[str]:
-  """Every figure of the comparison into `outdir`; returns the paths written (a figure with no data is skipped)."""
+def write_all(runs, budget: float, outdir: str, *, regime: str = "") -> list[str]:
+  """Every figure of the comparison into `outdir`; returns the paths written (a figure with no data is skipped).
+  Runs of kind "sft" (no rollouts) appear in the training-time figure only."""
   os.makedirs(outdir, exist_ok=True)
   out = os.path.join
+  everything, runs = runs, [r for r in runs if getattr(r, "kind", "rl") != "sft"]
+  pass_keys = sorted({k for r in runs for row in r.rows.values() for k in row
+                      if k.startswith("eval/pass@") and k.count("/") == 1})
   paths = [
-      accuracy_vs_budget(runs, budget, out(outdir, "accuracy_vs_budget.png")),
+      accuracy_vs_budget(runs, budget, out(outdir, "accuracy_vs_budget.png"), regime=regime),
+      *[accuracy_vs_budget(runs, budget, out(outdir, f"{k[len('eval/'):].replace('@', '_at_')}_vs_budget.png"),
+                           key=k, name=f"Held-out {k[len('eval/'):]}", regime=regime,
+                           ylabel=f"held-out {k[len('eval/'):]} (sampled at eval.temperature)") for k in pass_keys],
+      accuracy_vs_wall(everything, out(outdir, "accuracy_vs_training_time.png"), regime=regime),
       metric_vs_budget(runs, "rollout/solve_rate", budget, out(outdir, "solve_rate.png"),
                        ylabel="batch solve rate (correct / sampled rollouts)", title="Batch solve rate",
                        bounds=(0, 1)),

@@ -1,7 +1,15 @@
-"""A run's metrics read back from its workdir, and the interval over seeds: what the comparison's table (compare.py)
-and its figures (plots.py) share, so that neither needs the other to read a run.
+"""A run's metrics read back from its workdir, and the interval over seeds: what the comparison's table
+(compare_stats.py) and its figures (plots.py) share, so that neither needs the other to read a run.
+
+Besides metrics.jsonl a run writes DIR/questions.jsonl (`append_questions`, called by the trainer at every step):
+each sampled group's question id, kind ('fresh', 'replay', 'reroll'), correct answers and samples, one line a step.
+It is what the share of questions "0 of K at the first visit, solved at a later one" (`visit_stats`) is computed
+from: every method gets it, so BAPO's claim can be set against GRPO's. A few hundred bytes a step; with several
+processes host 0 writes its own groups only (a random part of the questions). A supervised control run
+(sft_control.py) writes DIR/sft_control.json, which marks its RunData as kind 'sft'.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -10,6 +18,9 @@ import numpy as np
 
 TOKENS_KEY = "rollout/sampled_tokens"
 ACCURACY_KEY = "eval/accuracy"
+STEP_TIME_KEY = "time/step_s"
+QUESTIONS_FILE = "questions.jsonl"
+SFT_FILE = "sft_control.json"
 
 
 @dataclasses.dataclass
@@ -17,10 +28,22 @@ class RunData:
   """One run's metrics: the last row logged for each step (a resumed run logs the steps after its checkpoint twice)
   and the cumulative generated tokens at each step (step 0 -> 0)."""
   name: str
-  method: str
+  method: str  # the arm: a method config, or a named variant of one (compare_arms.py)
   seed: int
   rows: dict[int, dict]
   tokens: dict[int, float]
+  questions: dict[int, dict] = dataclasses.field(default_factory=dict)  # DIR/questions.jsonl by step; {}: none
+  kind: str = "rl"  # "rl", or "sft" for the supervised control (it generates no tokens: compare it by wall time)
+
+  @functools.cached_property
+  def wall(self) -> dict[int, float]:
+    """{step: training seconds up to and including that step}: `time/step_s` summed (evaluations excluded, as they
+    are from the step time); the x axis on which a run that generates no tokens is compared."""
+    out, total = {0: 0.0}, 0.0
+    for s in sorted(self.rows):
+      total += float(self.rows[s].get(STEP_TIME_KEY, 0.0))
+      out[s] = total
+    return out
 
   def series(self, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(steps, cumulative tokens, values) of the rows that hold `key`, in step order."""
@@ -77,8 +100,67 @@ def load_run(workdir: str, *, method: str | None = None, seed: int | None = None
     method = config["method"] if method is None else method
     seed = int(config["seed"]) if seed is None else seed
   rows = read_rows(path)
+  questions_path = os.path.join(workdir, QUESTIONS_FILE)
   return RunData(name=os.path.basename(os.path.normpath(workdir)), method=method, seed=seed, rows=rows,
-                 tokens=cumulative_tokens(rows, source=path))
+                 tokens=cumulative_tokens(rows, source=path),
+                 questions=read_rows(questions_path) if os.path.exists(questions_path) else {},
+                 kind="sft" if os.path.exists(os.path.join(workdir, SFT_FILE)) else "rl")
+
+
+# ------------------------------------------------------------------------------------------------ Question visits
+def append_questions(workdir: str, step: int, requests, sampled, *, threshold: float) -> None:
+  """Appends step `step`'s sampled groups to DIR/questions.jsonl: for each request (a replay.Request) and its sampled
+  group (a replay.Group), the qid, the request's kind, the answers at or above `threshold` and the samples. A resumed
+  run writes the steps after its checkpoint again; `read_rows` keeps the last line of each step."""
+  row = {"step": int(step), "qid": [int(r.qid) for r in requests], "kind": [str(r.kind) for r in requests],
+         "correct": [sum(1 for x in g.rollouts if x.reward >= threshold) for g in sampled],
+         "samples": [len(g.rollouts) for g in sampled]}
+  with open(os.path.join(workdir, QUESTIONS_FILE), "a", encoding="utf-8") as f:
+    f.write(json.dumps(row) + "\n")
+
+
+@dataclasses.dataclass
+class VisitStats:
+  """How often questions came back, and what became of those the policy could not solve at first.
+
+  A visit is any group sampled for the question (fresh, ExGRPO's replay question, BAPO's re-roll). `hard_first`
+  counts the questions with no correct answer at their first visit, `hard_revisited` those of them visited again,
+  `hard_solved_later` those with at least one correct answer at a later visit."""
+  questions: int
+  visits_mean: float
+  visits_max: int
+  revisited: int  # questions visited more than once
+  hard_first: int
+  hard_revisited: int
+  hard_solved_later: int
+
+  @property
+  def hard_solved_share(self) -> float:
+    """Of the questions 0 of K at their first visit, the share solved (>= 1 correct) at a later one."""
+    return self.hard_solved_later / self.hard_first if self.hard_first else float("nan")
+
+
+def visit_stats(questions: dict[int, dict], *, last_step: int | None = None) -> VisitStats:
+  """VisitStats over the steps of DIR/questions.jsonl (`RunData.questions`) up to `last_step` (all: None)."""
+  first_correct: dict[int, int] = {}
+  visits: dict[int, int] = {}
+  solved_later: set[int] = set()
+  for step in sorted(questions):
+    if last_step is not None and step > last_step:
+      break
+    row = questions[step]
+    for qid, correct in zip(row["qid"], row["correct"], strict=True):
+      if qid not in first_correct:
+        first_correct[qid] = int(correct)
+      elif correct > 0:
+        solved_later.add(qid)
+      visits[qid] = visits.get(qid, 0) + 1
+  hard = [q for q, c in first_correct.items() if c == 0]
+  counts = np.asarray(list(visits.values()), np.float64)
+  return VisitStats(questions=len(visits), visits_mean=float(counts.mean()) if len(counts) else float("nan"),
+                    visits_max=int(counts.max()) if len(counts) else 0, revisited=int(np.sum(counts > 1)),
+                    hard_first=len(hard), hard_revisited=sum(visits[q] > 1 for q in hard),
+                    hard_solved_later=sum(q in solved_later for q in hard))
 
 
 def confidence_interval(values, confidence: float = 0.95, axis: int = 0):

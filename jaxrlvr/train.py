@@ -35,6 +35,7 @@ from jaxrlvr import parallel
 from jaxrlvr import replay
 from jaxrlvr import rewards
 from jaxrlvr import rollout
+from jaxrlvr import run_data
 from jaxrlvr import sampling
 from jaxrlvr import step as step_lib
 from jaxrlvr import warm_start
@@ -154,7 +155,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   data_lib.check_prompts([("data.source", train_set, len(train_set)), (eval_key, eval_set, num_eval)], tokenizer,
                          template=config.tokenizer.template, max_prompt_len=config.data.max_prompt_len,
                          max_new_tokens=config.rollout.max_new_tokens, model_context=_model_context(config))
-  questions = data_lib.QuestionIterator(train_set, seed=config.seed, host_id=host_id, num_hosts=num_hosts)
+  questions = data_lib.QuestionIterator(range(rl_train_size(config, train_set)), seed=config.seed, host_id=host_id,
+                                        num_hosts=num_hosts)
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
   sampler = rollout.SamplerSettings(
@@ -281,6 +283,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t = time.perf_counter()
     groups = strategy.compose(plan, sampled)
     strategy.observe(plan, sampled)
+    if is_main:  # DIR/questions.jsonl: what each question scored at each visit (the comparison's revisit share)
+      run_data.append_questions(workdir, step + 1, plan.requests, sampled, threshold=replay.CORRECT_THRESHOLD)
     # What the buffer now keeps joins the frozen objects after one collection of the young ones: otherwise every
     # automatic full collection re-scans the growing buffer (+5% of ExGRPO's step time on the embedded default).
     gc.collect()
@@ -344,6 +348,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   reward_pool.close()
   checkpointer.close()
   return last
+
+
+def rl_train_size(config: ml_collections.ConfigDict, train_set) -> int:
+  """How many training rows RL draws its fresh questions from: the first `data.rl_train_size` (0: all). The warm
+  start reads every row either way, so a data-limited run starts from the same weights as one with all of them."""
+  size = config.data.get("rl_train_size", 0)  # absent from a config built by hand: all rows
+  if not 0 <= size <= len(train_set):
+    raise config_lib.ConfigError(f"config.data.rl_train_size={size}: must be in [0, {len(train_set)}], the rows of "
+                                 f"data.source {train_set!r} (0: all of them)")
+  return size or len(train_set)
 
 
 def fresh_tokens_clipped(config: ml_collections.ConfigDict, plan: replay.Plan) -> bool:

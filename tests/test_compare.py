@@ -11,6 +11,7 @@ import pytest
 
 from jaxrlvr import compare
 from jaxrlvr import plots
+from jaxrlvr import run_data
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,8 +136,8 @@ def test_results_files_and_figures(tmp_path):
   out = str(tmp_path / "out")
   figures = plots.write_all(runs, summary.budget_tokens, out)
   assert sorted(os.path.basename(p) for p in figures) == sorted(
-      ["accuracy_vs_budget.png", "solve_rate.png", "response_length.png", "exgrpo_buckets.png",
-       "replayed_share.png", "ratio_stats.png"])
+      ["accuracy_vs_budget.png", "accuracy_vs_training_time.png", "solve_rate.png", "response_length.png",
+       "exgrpo_buckets.png", "replayed_share.png", "ratio_stats.png"])
   for path in figures:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
@@ -230,21 +231,52 @@ def test_overrides_and_the_workdir_config_check(tmp_path):
 
 @pytest.mark.slow
 def test_cli_end_to_end_on_smoke_configs(tmp_path):
-  """Two methods, one seed, the smoke configs: runs, results, figures; a second invocation trains nothing."""
+  """The data-limited preset on the smoke configs, one seed, an ablation arm and the supervised control: runs,
+  results, figures, questions that come back, pass@8, the control's wall time and warm start; a second invocation
+  trains nothing."""
   outdir = str(tmp_path / "compare")
-  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--seeds=1", "--methods=grpo,exgrpo",
-         f"--outdir={outdir}", f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2"]
+  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--preset=data_limited", "--seeds=1",
+         "--arms=grpo,exgrpo-no_shaping,sft", f"--outdir={outdir}",
+         f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2"]
   first = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0, first.stderr[-4000:]
   assert "compare: grpo-s0: training to step 4" in first.stdout
+  assert "compare: sft-s0: supervised control for" in first.stdout
   with open(os.path.join(outdir, "results.csv")) as f:
     table = {r["method"]: r for r in csv.DictReader(f)}
-  assert sorted(table) == ["exgrpo", "grpo"]
+  assert list(table) == ["grpo", "exgrpo-no_shaping", "sft"]
   budget = float(table["grpo"]["budget_tokens"])
-  totals = [compare.load_run(os.path.join(outdir, "runs", n)).total_tokens for n in ("grpo-s0", "exgrpo-s0")]
-  assert budget == min(totals) > 0
-  for name in ("accuracy_vs_budget.png", "exgrpo_buckets.png", "ratio_stats.png", "results.md", "runs.csv"):
+  runs = {n: compare.load_run(os.path.join(outdir, "runs", f"{n}-s0"), method=n, seed=0)
+          for n in ("grpo", "exgrpo-no_shaping", "sft")}
+  assert budget == min(runs["grpo"].total_tokens, runs["exgrpo-no_shaping"].total_tokens) > 0
+  # The preset: 4 smoke steps x 4 questions over data.rl_train_size = 16 / 4 = 4 questions, so GRPO sampled each
+  # of them 4 times; pass@8 at every evaluation; the arm's override on top.
+  with open(os.path.join(outdir, "runs", "exgrpo-no_shaping-s0", "config.json")) as f:
+    config = json.load(f)
+  assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["shaping_beta"]) == (4, 8, 0.0)
+  visits = run_data.visit_stats(runs["grpo"].questions)
+  assert (visits.questions, visits.visits_mean, visits.visits_max) == (4, 4.0, 4)
+  assert sorted(runs["grpo"].questions) == [1, 2, 3, 4]
+  assert all("eval/pass@8" in row for row in runs["grpo"].rows.values() if "eval/accuracy" in row)
+  assert 0 <= float(table["grpo"]["pass_at_k_mean"]) <= 1  # a number, where runs without pass@8 give nan
+  # The control: no rollouts, trained for the grpo run's training time, and started from the same warm start with
+  # the same evaluator: its step-0 evaluation is the grpo run's, metric for metric.
+  sft = runs["sft"]
+  assert sft.kind == "sft" and sft.total_tokens == 0 and not sft.questions
+  with open(os.path.join(outdir, "runs", "sft-s0", run_data.SFT_FILE)) as f:
+    state = json.load(f)
+  grpo_wall = runs["grpo"].wall[max(runs["grpo"].rows)]
+  assert state["finished"] and state["target_wall_s"] == pytest.approx(grpo_wall, rel=1e-3)
+  assert sft.wall[max(sft.rows)] >= state["target_wall_s"]
+  evals0 = {k: v for k, v in runs["grpo"].rows[0].items() if k.startswith("eval/")}
+  assert {k: sft.rows[0][k] for k in evals0} == evals0
+  with open(os.path.join(outdir, "results.md")) as f:
+    text = f.read()
+  assert "Regime `data_limited`" in text and "| exgrpo-no_shaping | exgrpo | `loss.shaping_beta=0.0` |" in text
+  assert "## What each method claims, measured" in text and "pass@8 - grpo" in text
+  for name in ("accuracy_vs_budget.png", "pass_at_8_vs_budget.png", "accuracy_vs_training_time.png",
+               "ratio_stats.png", "runs.csv"):
     assert os.path.exists(os.path.join(outdir, name)), name
   again = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=300)
   assert again.returncode == 0, again.stderr[-4000:]
-  assert "training to step" not in again.stdout
+  assert "training to step" not in again.stdout and "supervised control for" not in again.stdout

@@ -1,0 +1,188 @@
+"""What a comparison runs: regimes (`PRESETS`) and arms (`ARMS`: a method config plus overrides).
+
+An arm is one row of the results: a method's config file (configs/<method>.py) with a few config overrides, so an
+ablation is a row like any method, trained in DIR/runs/<arm>-s<seed>. Every config file in the configs directory is
+also an arm of its own name without overrides (that is what `--methods` names). The arm `sft` is not RL: it is the
+supervised control (sft_control.py), continued supervised training from the same warm start for the wall time of
+the `grpo` run of its seed.
+
+A preset is a regime: the overrides every arm's runs get, the arms it compares by default and how many seeds. Both
+presets measure pass@k (`eval.k=8` samples per held-out question at `eval.temperature=1.0`, the rollout temperature)
+beside the greedy accuracy at every evaluation, and default to 5 seeds; they differ in the questions RL draws from:
+- `fresh`: the whole training set (20,000 questions for the embedded task): 200 steps x 16 questions draw 3,200
+  of them, so a question never comes back unless a method brings it back (the setting of the first comparison).
+- `data_limited`: RL draws from the first steps x B / 4 training questions (`data.rl_train_size`; 800 for 200
+  steps of 16), so the data iterator hands out each question about 4 times (GRPO; a method that replays part of its
+  batch draws fewer fresh ones), as in the replay papers' multi-epoch runs. The warm start still reads the whole
+  training set, so both regimes start from the same weights. Its default arms add the ablations the papers lean on.
+"""
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
+METHODS = ("grpo", "exgrpo", "advantage_priority", "bapo")
+BASELINE = "grpo"
+SFT_ARM = "sft"
+
+
+class CompareError(ValueError):
+  """A mistake in the comparison's command line (an unknown arm, preset or key): one line, exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  method: str  # the config file configs/<method>.py
+  overrides: tuple[str, ...] = ()  # `key=value`, applied after the preset's and --override's
+  kind: str = "rl"  # "rl": the main job; "sft": the supervised control (sft_control.py)
+  doc: str = ""
+  flags: tuple[str, ...] = ()  # the control's own flags (sft_control.py)
+
+
+ARMS = {arm.name: arm for arm in (
+    Arm("exgrpo-no_shaping", "exgrpo", ("loss.shaping_beta=0.0",),
+        doc="replayed tokens take the clipped loss of fresh ones instead of f(w) = w / (w + beta)"),
+    Arm("exgrpo-no_delay", "exgrpo", ("replay.start_solve_rate=0.0",),
+        doc="replay from the first step instead of once the batch solve rate passes 0.35"),
+    Arm("exgrpo-bucket_accuracy", "exgrpo", ("replay.bucket_scale=accuracy",),
+        doc="bucket weights N(k/K; 0.5, sigma) in accuracy units (paper text) instead of counts (released code)"),
+    Arm("advantage_priority-pool", "advantage_priority", ("replay.composition=pool",),
+        doc="fresh and stored rollouts drawn from one pool instead of all fresh plus a replayed share"),
+    Arm("advantage_priority-group_std", "advantage_priority", ("replay.priority=group_std",),
+        doc="query-level priority by the group's reward std instead of each rollout's |advantage|"),
+    Arm("bapo-no_x2", "bapo", ("replay.reroll_every=0",),
+        doc="no re-rolls of hard questions, so no X2 part of the batch (X1 and X3 only)"),
+    Arm(SFT_ARM, "grpo", (), kind="sft",
+        doc="continued supervised training on the teacher's solutions of the questions RL draws from, for the "
+        "training time of the grpo run"),
+    # Not in a preset's arms: in the data-limited regime the control above sees only the 800 questions RL sees
+    # (the same data) and, at ~60 passes over them, memorises them; this one reads every solution, as the warm start.
+    Arm("sft-all_questions", "grpo", (), kind="sft", flags=("--all_questions",),
+        doc="the control on every training question's solution, not only those RL draws from"),
+)}
+ABLATIONS = tuple(name for name, arm in ARMS.items() if arm.kind == "rl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  name: str
+  doc: str
+  arms: tuple[str, ...]
+  seeds: int = 5
+  overrides: tuple[str, ...] = ("eval.k=8", "eval.temperature=1.0")
+  visits_per_question: float = 0.0  # > 0: data.rl_train_size = steps x batch_size / this (see the module doc)
+
+  def run_overrides(self, *, steps: int, batch_size: int) -> list[str]:
+    """The overrides of every run of this preset for a comparison of `steps` steps of `batch_size` questions."""
+    out = list(self.overrides)
+    if self.visits_per_question:
+      out.append(f"data.rl_train_size={rl_train_size(steps, batch_size, self.visits_per_question)}")
+    return out
+
+
+def rl_train_size(steps: int, batch_size: int, visits: float) -> int:
+  """The number of questions that `steps` steps of `batch_size` fresh questions visit `visits` times each."""
+  return max(batch_size, int(round(steps * batch_size / visits)))
+
+
+PRESETS = {p.name: p for p in (
+    Preset("fresh", "fresh questions never run out (the whole training set); pass@8 beside greedy accuracy",
+           arms=(*METHODS, SFT_ARM)),
+    Preset("data_limited", "each question comes back about 4 times (data.rl_train_size = steps x B / 4); pass@8 "
+           "beside greedy accuracy; the ablations as rows", arms=(*METHODS, *ABLATIONS, SFT_ARM),
+           visits_per_question=4.0),
+)}
+
+
+def preset(name: str) -> Preset:
+  if name not in PRESETS:
+    raise CompareError(f"--preset={name!r}: no such preset; known: {sorted(PRESETS)}")
+  return PRESETS[name]
+
+
+def known_methods(configs_dir: str = CONFIGS_DIR) -> list[str]:
+  return sorted(f[:-3] for f in os.listdir(configs_dir) if f.endswith(".py") and f not in ("base.py", "__init__.py"))
+
+
+def resolve_arm(name: str, configs_dir: str = CONFIGS_DIR) -> Arm:
+  """The named arm of ARMS, or a method config file of that name without overrides."""
+  if name in ARMS:
+    return ARMS[name]
+  if os.path.exists(os.path.join(configs_dir, f"{name}.py")) and name not in ("base", "__init__"):
+    return Arm(name, name)
+  raise CompareError(f"no arm {name!r} (--arms, --methods); known: the methods {known_methods(configs_dir)} and "
+                     f"the variants {sorted(ARMS)}")
+
+
+def resolve_arms(names: Sequence[str], configs_dir: str = CONFIGS_DIR) -> list[Arm]:
+  arms = [resolve_arm(n, configs_dir) for n in names]
+  repeated = sorted({n for n in names if list(names).count(n) > 1})
+  if repeated:
+    raise CompareError(f"--arms: {repeated} named more than once")
+  if any(a.kind == "sft" for a in arms) and BASELINE not in names:
+    raise CompareError(f"--arms: the {SFT_ARM!r} control trains for the wall time of the {BASELINE!r} run of its "
+                       f"seed, so it needs the {BASELINE!r} arm too")
+  return arms
+
+
+def method_config(method: str, *, smoke: bool = False, configs_dir: str = CONFIGS_DIR):
+  """The method's config (to read total_steps and eval_every), imported the way the main job's flag does."""
+  path = os.path.join(configs_dir, f"{method}.py")
+  if not os.path.exists(path):
+    raise CompareError(f"--methods: no config {path} for method {method!r}; known: {known_methods(configs_dir)}")
+  root = os.path.dirname(os.path.abspath(configs_dir))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  return importlib.import_module(f"{os.path.basename(os.path.normpath(configs_dir))}.{method}").get_config(
+      "smoke" if smoke else None)
+
+
+def apply_override(config, override: str) -> None:
+  """`key.sub=value` (as `--config.key.sub=value`) onto a config, the value cast to the type of the current one."""
+  text = override[len("--config."):] if override.startswith("--config.") else override
+  key, sep, value = text.partition("=")
+  *parents, leaf = key.split(".")
+  node = config
+  try:
+    for p in parents:
+      node = node[p]
+    current = node[leaf]
+  except KeyError:
+    raise CompareError(f"--override={override!r}: the config has no key {key!r}") from None
+  if not sep:
+    raise CompareError(f"--override={override!r}: expected key=value")
+  try:
+    if isinstance(current, bool):
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise CompareError(f"--override={override!r}: {key} is a bool; got {value!r}")
+      node[leaf] = value.lower() in ("true", "1")
+    elif isinstance(current, (int, float, str)):
+      node[leaf] = type(current)(value)
+    else:
+      raise CompareError(f"--override={override!r}: {key} holds a {type(current).__name__}; pass it to the main job")
+  except ValueError as e:
+    if isinstance(e, CompareError):
+      raise
+    raise CompareError(f"--override={override!r}: {key} is a {type(current).__name__}; got {value!r}") from None
+
+
+def arm_config(arm: Arm, *, seed: int, overrides: Sequence[str] = (), smoke: bool = False,
+               configs_dir: str = CONFIGS_DIR):
+  """The config an arm's run of `seed` trains with: the method's, then `overrides` (the preset's and the command
+  line's), then the arm's own; checked as the main job checks it, so a bad value stops the comparison up front."""
+  from jaxrlvr import config_lib  # pylint: disable=g-import-not-at-top  (keeps this module import-light)
+  config = method_config(arm.method, smoke=smoke, configs_dir=configs_dir)
+  for override in (f"seed={seed}", *overrides, *arm.overrides):
+    try:
+      apply_override(config, override)
+    except CompareError as e:
+      raise CompareError(f"arm {arm.name!r}: {e}") from None
+  try:
+    config_lib.validate(config)
+  except config_lib.ConfigError as e:
+    raise CompareError(f"arm {arm.name!r}: {e}") from None
+  return config
