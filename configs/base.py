@@ -215,6 +215,23 @@ def _paper_scale(c: ml_collections.ConfigDict) -> None:
   c.loss.entropy_coef = 0.001
   c.train.num_minibatches = 2
   c.train.num_microbatches = 16
+  # Memory (python -m jaxrlvr.plan: every method fits 8 x H100 80GB and a TPU v5p at 7-8B with fsdp=8, and the 1.5B
+  # model one H100). None of this changes what is computed: batch, group size and lengths stay the paper's. A sampler
+  # call holds at most `max_rows_per_device` rows of a device: the largest power of two whose KV cache (rows x 9216
+  # slots x layers x (k, v) x kv heads x head_dim x 2 bytes) stays within 30 GB, which leaves room beside the
+  # resident state (11-20 GB) and the decode's gathered weights (15 GB at 7B) for the planner's unchecked
+  # accelerator terms: 32 rows (16.9 GB) at Qwen2.5-Math-7B, 16 (19.3 GB) at Llama-3.1-8B, 64 at Qwen2.5-Math-1.5B.
+  # The prefill writes the cache 16 rows of a device and 1024 slots at a time.
+  model = models.get_preset(c.model.preset)
+  slot_bytes = model.num_layers * 2 * model.num_kv_heads * model.head_dim * 2
+  rows = int(30e9 / (slot_bytes * (c.data.max_prompt_len + c.rollout.max_new_tokens)))
+  c.rollout.max_rows_per_device = 1 << max(0, rows.bit_length() - 1)
+  c.rollout.prefill_rows_per_device = 16
+  c.rollout.prefill_chunk_tokens = 1024
+  if c.model.preset == "qwen2.5-math-1.5b":
+    # The one-device setting: 64 micro-batches of 8 rows fit one H100 (16 of 32 rows would need 101 GB); on 8
+    # devices the same 64 give every device one row, so the batch needs no filler rows either way.
+    c.train.num_microbatches = 64
 
 
 def _smoke(c: ml_collections.ConfigDict) -> None:

@@ -53,8 +53,19 @@ def init_optimizer_state(params, optimizer: optax.GradientTransformation, mesh) 
   replicated over `mesh`, every leaf committed. Otherwise (init leaves its counters uncommitted on one device) the
   step's second call compiles again: ~5 s on the tiny default, ~1 s in the warm start."""
   param_sharding = jax.tree.map(lambda x: x.sharding, params)
-  opt_state = jax.jit(optimizer.init, in_shardings=(param_sharding,))(params)
+  opt_state = jax.jit(optimizer.init, in_shardings=(param_sharding,),
+                      out_shardings=optimizer_state_sharding(params, optimizer, mesh))(params)
   return jax.tree.map(lambda x: jax.device_put(x, x.sharding), parallel.onto_mesh(opt_state, mesh))
+
+
+def optimizer_state_sharding(params, optimizer: optax.GradientTransformation, mesh) -> Any:
+  """The shardings of `optimizer.init(params)` (arrays or ShapeDtypeStructs with shardings): every copy of the
+  parameter tree (AdamW's moments) sharded like the parameters, everything else (counters) replicated. Given, not
+  left to the partitioner: it replicated zeros_like(param), which at 7B on fsdp=8 put 61 GB of AdamW moments on
+  every device instead of 7.6 GB."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return optax.tree_map_params(optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
+                               jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:

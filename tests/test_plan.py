@@ -1,5 +1,8 @@
-"""The memory planner: 7B figures against hand arithmetic, specs on real and abstract meshes, the fit rule, the
-replay estimate and the command line. Everything is `jax.eval_shape`: nothing of 7B size is allocated."""
+"""The memory planner: 7B figures against hand arithmetic, specs on real and abstract meshes, the attention and
+sampler terms, the shipped paper-scale defaults fitting every method, the fit rule, the replay estimate and the
+command line. Everything is `jax.eval_shape`: nothing of 7B size is allocated (tests/test_plan_xla.py holds the
+formulas to XLA's compiled figures)."""
+import importlib
 import os
 import subprocess
 import sys
@@ -12,17 +15,27 @@ from jax.sharding import AbstractMesh, NamedSharding
 from configs import advantage_priority, exgrpo, grpo
 from jaxrlvr import parallel
 from jaxrlvr import plan
+from jaxrlvr import sampling_batches
 from jaxrlvr.models import get_preset
 from jaxrlvr.replay.storage import RolloutStore
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _7B = "model=qwen2.5-math-7b"
+_METHODS = ("grpo", "exgrpo", "advantage_priority", "bapo", "exprl")
+
+
+def _with(config, **changes):
+  config.unlock()
+  for key, value in changes.items():
+    section, name = key.split("__")
+    config[section][name] = value
+  return config
 
 
 @pytest.fixture(scope="module")
 def paper_plan():
-  """ExGRPO at paper scale (128 x 8 rollouts, 1024 + 8192 tokens, remat, bf16 compute) on 1 x 8 x 1."""
-  return plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1))
+  """ExGRPO at paper scale (128 x 8 rollouts, 1024 + 8192 tokens, remat, bf16 compute) on 1 x 8 x 1, for a GPU."""
+  return plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1), backend="gpu")
 
 
 def test_7b_parameters_optimizer_and_gradients_per_device(paper_plan):
@@ -41,33 +54,65 @@ def test_7b_parameters_optimizer_and_gradients_per_device(paper_plan):
   assert paper_plan["resident"] == 3 * 3_808_974_848
 
 
-def test_7b_kv_cache_and_activations_by_hand(paper_plan):
-  # Sampler: 1024 rollouts / 8 batch shards = 128 rows; 1024 + 8192 = 9216 slots; 28 layers x (k, v) x 4 kv heads x
-  # 128 head_dim x 2 bytes (bf16) = 57,344 bytes a slot -> 128 x 9216 x 57,344 = 67,645,734,912 (67.6 GB).
-  assert paper_plan["kv_cache"] == 128 * 9216 * 28 * 2 * 4 * 128 * 2 == 67_645_734_912
+def test_7b_update_and_kv_cache_by_hand(paper_plan):
+  # Sampler: 1024 rollouts / 8 shards = 128 rows a device, in calls of the shipped 32; 1024 + 8192 = 9216 slots;
+  # 28 layers x (k, v) x 4 kv heads x 128 head_dim x 2 bytes (bf16) = 57,344 bytes a slot -> 32 x 9216 x 57,344.
+  assert paper_plan["kv_cache"] == 32 * 9216 * 28 * 2 * 4 * 128 * 2 == 16_911_433_728
   # Update: 1024 rows / (2 minibatches x 16 micro-batches x 8 shards) = 4 rows of S = 9216 tokens a device.
-  b, s, d, c = 4, 9216, 3584, 2
-  dense = c * (4 * d + 2 * 28 * 128 + 2 * 4 * 128 + 3 * 18944)  # 158,720 bytes a token a layer
-  scores = 28 * s * (8 + c)  # xla attention: f32 scores + f32 probs + bf16 probs per head and key: 2,580,480
-  remat = 28 * b * s * d * c + 2 * b * s * (dense + scores)  # 7.40 GB of block inputs + 201.96 GB for one layer
-  extra = b * s * s + 2 * b * s * d * c + 4 * b * 128 * 32768 * 4  # mask, embedded/final hidden, logits chunks
-  assert paper_plan["activations_remat"] == remat + extra == 210_491_146_240
-  assert paper_plan["activations_no_remat"] == 29 * b * s * (dense + scores) + extra
-  assert paper_plan["activations"] == paper_plan["activations_remat"]  # the paper config turns remat on
+  b, s, d, f, c = 4, 9216, 3584, 18944, 2
+  kept = 28 * b * s * d * c  # remat: every block's input, 7.40 GB
+  backward = b * s * (6 * f + 12 * d) * c  # one layer's backward: 6 [b, S, F] and 12 [b, S, D] arrays, 11.55 GB
+  lse = b * 28 * s * 4  # attention "auto" on a GPU in bf16 is cuDNN's: its f32 log-sum-exp
+  assert paper_plan["update.activations"] == kept + backward + lse == 18_953_994_240
+  # One layer with fsdp dropped: 233,057,792 values (q, o 3584 x 3584; k, v 3584 x 512; biases; norms; the MLP's
+  # 3 x 3584 x 18944) in f32 = 932 MB; on a GPU: two layers in bf16, one f32 gather in flight, one layer's f32
+  # gradients before the reduce-scatter.
+  layer = (2 * 3584 * 3584 + 2 * 3584 * 512 + 4608 + 7168 + 3 * 3584 * 18944) * 4
+  assert layer == 932_231_168
+  assert paper_plan["update.gathered"] == 2 * (layer // 2) + layer + layer
+  batch = 128 * (2 * s * 4 + 4 * 8192 * 4 + 2)  # ids, mask [S] int32; completion mask, advantages, 2 log-probs [T]
+  assert paper_plan["update.batch"] == batch
+  assert paper_plan["update"] == (3 * 3_808_974_848 + batch + 2 * 3_808_974_848 + paper_plan["update.activations"]
+                                  + paper_plan["update.gathered"] + paper_plan["update.logits"])
+  # Decode: the loop hoists every layer's gathered weights and the unembedding (3584 x 152064), in bf16.
+  assert paper_plan["decode.gathered"] == (28 * layer + 3584 * 152064 * 4) // 2
 
 
-def test_cudnn_attention_drops_the_quadratic_term():
-  memory = plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1), score_chunks=32)
+def test_attention_terms_by_implementation():
   config = exgrpo.get_config(_7B)
-  config.unlock()
-  config.model.attention = "cudnn"
-  fused = plan.plan_memory(config, (1, 8, 1), score_chunks=32)
-  b, s, d, c = 4, 9216, 3584, 2
-  dense = c * (4 * d + 2 * 28 * 128 + 2 * 4 * 128 + 3 * 18944)
-  # Only the per-layer attention term changes: 28 x S x 10 bytes a token becomes 28 heads x 4 bytes (log-sum-exp).
-  assert memory["activations_remat"] - fused["activations_remat"] == 2 * b * s * (28 * s * 10 - 28 * 4)
-  assert fused["activations_remat"] == 28 * b * s * d * c + 2 * b * s * (dense + 28 * 4) + (
-      b * s * s + 2 * b * s * d * c + 4 * b * 128 * 32768 * 4)
+  b, s, n = 4, 9216, 28
+  terms = {}
+  for implementation in ("xla", "blockwise", "cudnn"):
+    _with(config, model__attention=implementation)
+    terms[implementation] = plan.plan_memory(config, (1, 8, 1), backend="gpu")["update.activations"]
+  # Only the attention transient differs. xla: [b, N, S, S] f32 scores and probs + bf16 probs, and the [b, S, S]
+  # mask, twice in the backward (575 GB: why it is not the default).
+  assert terms["xla"] - terms["cudnn"] == 2 * (b * n * s * s * 10 + b * s * s) - b * n * s * 4
+  # blockwise: s, p, dp, ds of one [b, N, 512, 512] f32 block and the f32 dk, dv [b, 4, S, 128].
+  assert terms["blockwise"] - terms["cudnn"] == 4 * b * n * 512 * 512 * 4 + 2 * b * 4 * s * 128 * 4 - b * n * s * 4
+  # auto resolves per backend: cuDNN on a GPU in bf16, the blockwise kernel on a TPU.
+  _with(config, model__attention="auto")
+  assert plan.workload(config, (1, 8, 1), backend="gpu").attention(s, s) == "cudnn"
+  assert plan.workload(config, (1, 8, 1), backend="tpu").attention(s, s) == "blockwise"
+
+
+def test_sampler_bounds_mirror_the_sampler():
+  config = exgrpo.get_config(_7B)
+  mesh = parallel.make_mesh(1, 8, 1)
+  for max_rows in (0, 32, 48, 200):
+    _with(config, rollout__max_rows_per_device=max_rows)
+    w = plan.workload(config, (1, 8, 1))
+    calls = sampling_batches.plan_calls([[1]] * 1024, pad_id=0, vocab_size=None, mesh=mesh, pad_batch_to=1,
+                                        max_rows_per_device=max_rows)
+    assert (w.rollout_rows * 8, w.sampler_calls) == (calls.rows, calls.count), max_rows
+  # A KV cache scales with the call's rows; the prefill transient with its block, not with the call.
+  _with(config, rollout__max_rows_per_device=0)
+  whole = plan.plan_memory(config, (1, 8, 1))
+  assert whole["kv_cache"] == 4 * 16_911_433_728  # all 128 rows a device in one call: 67.6 GB
+  _with(config, rollout__max_rows_per_device=32, rollout__prefill_rows_per_device=8)
+  smaller = plan.plan_memory(config, (1, 8, 1))
+  _with(config, rollout__prefill_rows_per_device=16)
+  assert plan.plan_memory(config, (1, 8, 1))["prefill.activations"] > smaller["prefill.activations"]
 
 
 def test_specs_from_an_abstract_mesh_equal_those_of_real_devices():
@@ -84,7 +129,7 @@ def test_specs_from_an_abstract_mesh_equal_those_of_real_devices():
   assert plan.spec_mesh((2, 8, 1))[1] == "abstract"
   two_replicas = plan.plan_memory(exgrpo.get_config(_7B), (2, 8, 1))
   assert two_replicas["params"] == 3_808_974_848  # data replicates: the same shards as 1 x 8 x 1
-  assert two_replicas["kv_cache"] == 67_645_734_912 // 2  # 1024 rollouts over 16 batch shards: 64 rows a device
+  assert two_replicas["kv_cache"] == 16_911_433_728  # 64 rows a device, still 32 a call
 
 
 def test_tensor_axis_splits_heads_and_mlp():
@@ -106,27 +151,41 @@ def test_fits_rule_and_errors():
     plan.fits({"peak": 1}, "a100")
   with pytest.raises(ValueError, match="usable_fraction=1.5"):
     plan.fits({"peak": 1}, "h100", usable_fraction=1.5)
+  with pytest.raises(ValueError, match="backend='ipu'"):
+    plan.workload(exgrpo.get_config(), (8, 1, 1), backend="ipu")
 
 
-def test_paper_setting_fits_only_once_rollouts_are_split(paper_plan):
-  # As the code stands (xla attention, one sampler call): nothing fits, and the sampler's prefill sets the peak.
-  assert not any(plan.fits(paper_plan, name) for name in plan.ACCELERATORS)
-  assert paper_plan["peak"] == paper_plan["rollout_peak"] > paper_plan["score_peak"]
-  # The scorer takes one micro-batch of rows a pass (2 x 16 passes); the whole batch in one pass would not fit.
-  assert paper_plan == plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1), score_chunks=32)
-  one_pass = plan.plan_memory(exgrpo.get_config(_7B), (1, 8, 1), score_chunks=1)
-  assert one_pass["peak"] == one_pass["score_peak"] > 20 * paper_plan["score_peak"]
-  config = exgrpo.get_config(_7B)
-  config.unlock()
-  config.model.attention = "cudnn"
-  split = plan.plan_memory(config, (1, 8, 1), rollout_chunks=2)
-  assert plan.fits(split, "h100") and not plan.fits(split, "v5e")
+@pytest.mark.parametrize("model", ["qwen2.5-math-7b", "llama3.1-8b"])
+def test_shipped_paper_settings_fit_8_h100_and_v5p_for_every_method(model):
+  for method in _METHODS:
+    config = importlib.import_module(f"configs.{method}").get_config(f"model={model}")
+    # The paper's batch, group and lengths are kept; only execution bounds were chosen.
+    r = config.rollout
+    assert (r.batch_size, r.group_size, r.max_new_tokens, config.data.max_prompt_len) == (128, 8, 8192, 1024)
+    assert config.train.num_minibatches == 2 and config.train.num_microbatches == 16 and config.model.remat
+    for accelerator in ("h100", "v5p"):
+      memory = plan.plan_memory(config, (1, 8, 1), backend=plan.ACCELERATORS[accelerator].backend)
+      assert plan.fits(memory, accelerator), (model, method, accelerator, memory["peak"] / 1e9)
+    # Without the sampler bound the KV cache of 128 rows a device would not fit an H100 (with the weights gathered
+    # for the decode).
+    _with(config, rollout__max_rows_per_device=0)
+    assert not plan.fits(plan.plan_memory(config, (1, 8, 1), backend="gpu"), "h100"), (model, method)
+
+
+def test_shipped_1_5b_fits_one_h100_for_every_method():
+  for method in _METHODS:
+    config = importlib.import_module(f"configs.{method}").get_config("model=qwen2.5-math-1.5b")
+    assert plan.fits(plan.plan_memory(config, (1, 1, 1), backend="gpu"), "h100"), method
+  # Its 64 micro-batches are what fits one device: 16 would hold 32 rows a device.
+  config = _with(grpo.get_config("model=qwen2.5-math-1.5b"), train__num_microbatches=16)
+  assert not plan.fits(plan.plan_memory(config, (1, 1, 1), backend="gpu"), "h100")
 
 
 def test_tiny_default_fits_everywhere():
   memory = plan.plan_memory(exgrpo.get_config(), (8, 1, 1))
   assert memory["param_count"] == 993_408  # models/config.py: the embedded default
   assert all(plan.fits(memory, name) for name in plan.ACCELERATORS)
+  assert memory["update.gathered"] == 0  # f32 everywhere, no fsdp: the layers read their parameters in place
 
 
 def test_replay_buffer_estimate():
@@ -162,13 +221,18 @@ def test_parse_mesh_names_the_flag():
 def test_cli_prints_the_plan_for_the_7b_config():
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   result = subprocess.run(
-      [sys.executable, "-m", "jaxrlvr.plan", f"--config=configs/exgrpo.py:{_7B}", "--mesh=1,8,1",
-       "--accelerator=h100", "--config.model.attention=cudnn", "--rollout_chunks=2"],
+      [sys.executable, "-m", "jaxrlvr.plan", f"--config=configs/exgrpo.py:{_7B}", "--mesh=1,8,1"],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
   assert "7,615,616,512 parameters" in out
-  assert "parameters                                       3.81" in out  # 3,808,974,848 bytes
-  assert "KV cache (64 rows x 9216 slots)                 33.82" in out  # half of 67.65 GB: 2 sampler calls
-  assert "4 rows a device per pass, 32 passes" in out  # the scorer's default: one micro-batch a pass
-  assert "NVIDIA H100 80GB" in out and "yes" in out and "v5e" not in out
+  assert "parameters                                           3.81" in out  # 3,808,974,848 bytes
+  assert "KV cache (32 rows x 9216 slots)                     16.91" in out
+  assert "sampler: 32 rows a device per call, 4 calls, prefill 16 rows x 1024 slots at a time" in out
+  fits = {line.split()[0] + line.split()[1]: line for line in out.splitlines() if "80GB" in line or "v5p" in line}
+  assert "yes" in fits["NVIDIAH100"] and "yes" in fits["TPUv5p"]
+  # The old --rollout_chunks flag is gone: the sampler's bound is the config's rollout.max_rows_per_device.
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxrlvr.plan", f"--config=configs/exgrpo.py:{_7B}", "--mesh=1,8,1",
+       "--rollout_chunks=2"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode != 0 and "rollout_chunks" in result.stderr

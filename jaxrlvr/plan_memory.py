@@ -1,0 +1,433 @@
+"""The planner's arithmetic: per-device bytes of each device phase of an RL step, from shapes alone.
+
+`plan.py` is the command line and the report, and its docstring explains every term; `plan_xla.py` compiles the same
+phases for XLA's own figures. Nothing here allocates: the model is built with `nnx.eval_shape`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from jaxrlvr import models
+from jaxrlvr import parallel
+from jaxrlvr import scoring
+from jaxrlvr.models import attention as attention_lib
+from jaxrlvr.models.config import ModelConfig
+from jaxrlvr.sampling_batches import bucket_length
+
+GB = 1e9
+USABLE_FRACTION = 0.9
+BACKENDS = ("gpu", "tpu", "cpu")
+# XLA:CPU compiles the phases as an accelerator would only with these (plan.py's docstring): its memory-optimising
+# scheduler, which honours remat, and no YNNPACK fusions (the list of fusion types replaced by one that matches
+# nothing), which would compute a whole MLP in tiles. Read when JAX starts its CPU client: set in XLA_FLAGS first.
+CPU_MEMORY_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false "
+                    "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INVALID")
+EXGRPO_STORE_FRACTION = 202_011 / (700 * 128 * 8)  # ExGRPO paper: trajectories stored / rollouts sampled
+TOKENS_PER_TRAJECTORY = 1000  # see plan.py's docstring
+ROW_INDEX_BYTES = 52  # per stored row: order queue (2 x int64) + ~36 bytes in the owner's Python list of row ids
+STORE_SLACK = 8 / 7  # replay/storage.py compacts a page once its dead tokens exceed 1/8
+# Arrays of one layer live at its peak, counted in XLA's buffer assignment of the 7B-wide phases (plan.py's
+# docstring): [b, S, F] and [b, S, D] arrays in the compute dtype.
+BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
+FORWARD_MLP_ARRAYS, FORWARD_HIDDEN_ARRAYS = 3, 2
+LOGITS_CHUNK_COPIES = 4  # the scorer's [b, chunk, vocab chunk] f32 logits live at once in the backward (3 forward)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+  name: str
+  memory: float  # bytes per device
+  devices_per_host: int
+  backend: str  # jax.default_backend() on it: what "auto" attention and the schedule are planned for
+
+
+ACCELERATORS = {
+    "h100": Accelerator("NVIDIA H100 80GB", 80 * GB, 8, "gpu"),
+    "h200": Accelerator("NVIDIA H200 141GB", 141 * GB, 8, "gpu"),
+    "v5p": Accelerator("TPU v5p (95 GB a chip)", 95 * GB, 4, "tpu"),
+    "v5e": Accelerator("TPU v5e (16 GB a chip)", 16 * GB, 4, "tpu"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """The sizes the formulas use, derived from the config and the mesh (all per device unless named otherwise)."""
+  model: ModelConfig
+  mesh_shape: tuple[int, int, int]
+  mesh_kind: str  # "devices" (specs from a real mesh) or "abstract" (jax.sharding.AbstractMesh)
+  backend: str  # "gpu", "tpu" or "cpu": resolves attention="auto" and the schedule-dependent terms
+  batch_shards: int  # data x fsdp
+  rows: int  # rows of the global update batch (train.batch_rows)
+  micro_rows: int  # one micro-batch, one device; also one scoring pass (step.make_score_fn's chunks)
+  rollout_rows: int  # one sampler call, one device (rollout.max_rows_per_device bounds it)
+  sampler_calls: int  # calls a step's rollouts take
+  prefill_rows: int  # rows of a device the prefill runs at once (rollout.prefill_rows_per_device)
+  prefill_tokens: int  # prompt slots it writes at once (rollout.prefill_chunk_tokens)
+  prompt_len: int  # bucketed, as the sampler and the batch pad it
+  completion_len: int
+  heads: int  # query heads on one device (split over tensor where the rule allows)
+  kv_heads: int
+  mlp: int
+  vocab: int
+  compute_bytes: int
+  param_bytes: int
+
+  @property
+  def seq_len(self) -> int:
+    return self.prompt_len + self.completion_len
+
+  def attention(self, q_len: int, kv_len: int) -> str:
+    """The implementation attention="auto" (or the configured one) runs for a call of these lengths."""
+    m = self.model
+    return attention_lib.resolve(m.attention, q_len=q_len, kv_len=kv_len, dtype=m.compute_dtype,
+                                 head_dim=m.head_dim, backend=self.backend)
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, axis_sizes: dict[str, int]) -> tuple[int, ...]:
+  """Per-device shape of an array of `shape` laid out by `spec` on a mesh with `axis_sizes` (exact division)."""
+  out = []
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  for dim, entry in zip(shape, entries):
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    parts = math.prod(axis_sizes[a] for a in axes)
+    if dim % parts:
+      raise ValueError(f"plan.py: dimension {dim} of {tuple(shape)} is not divisible by {parts} ({spec})")
+    out.append(dim // parts)
+  return tuple(out)
+
+
+def spec_mesh(mesh_shape: Sequence[int]) -> tuple[Any, str]:
+  """A real mesh over the first local devices when there are enough, else an AbstractMesh of the same shape."""
+  mesh_shape = tuple(int(s) for s in mesh_shape)
+  n = math.prod(mesh_shape)
+  if jax.device_count() >= n:
+    return parallel.make_mesh(*mesh_shape, devices=jax.devices()[:n]), "devices"
+  return AbstractMesh(mesh_shape, parallel.MESH_AXES), "abstract"
+
+
+def model_config(config: Any) -> ModelConfig:
+  """The architecture: from `config.model.path`'s config.json when set, else the preset; dtypes/remat from config."""
+  m = config.model
+  if m.path:
+    from jaxrlvr.models import hf  # pylint: disable=g-import-not-at-top
+    if not os.path.exists(os.path.join(m.path, "config.json")):
+      raise FileNotFoundError(f"plan.py: config.model.path={m.path!r} has no config.json; clear it to plan the "
+                              f"preset {m.preset!r}")
+    return hf.config_from_hf(hf.read_config(m.path), param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+                             attention=m.attention, attention_block_size=m.attention_block_size, remat=m.remat)
+  return models.from_config(config)
+
+
+def param_table(cfg: ModelConfig, mesh: Any) -> list[tuple[str, tuple[int, ...], PartitionSpec, int]]:
+  """(path, global shape, PartitionSpec, dtype bytes) of every parameter, from an abstract model (no memory)."""
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(abstract, nnx.Param)
+  specs = dict(nnx.to_flat_state(parallel.param_specs(state, mesh)))
+  table = []
+  for path, var in nnx.to_flat_state(state):
+    spec = specs[path].get_value()
+    table.append((".".join(str(p) for p in path), tuple(var.shape), spec, jnp.dtype(var.dtype).itemsize))
+  return table
+
+
+def _per_device(shape, spec, mesh, mesh_kind: str, drop_axes: Sequence[str] = ()) -> int:
+  """Elements on one device; `drop_axes` are treated as unsharded (an all-gathered copy over them)."""
+  if drop_axes:
+    spec = PartitionSpec(*[_drop(e, drop_axes) for e in spec])
+  if mesh_kind == "devices" and not drop_axes:
+    return math.prod(NamedSharding(mesh, spec).shard_shape(shape))
+  return math.prod(shard_shape(shape, spec, dict(mesh.shape)))
+
+
+def _drop(entry, axes):
+  if entry is None:
+    return None
+  kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+  return None if not kept else (kept[0] if len(kept) == 1 else kept)
+
+
+def _split(name: str, size: int, mesh: Any) -> int:
+  """`size` divided by the mesh axes the sharding rule of logical axis `name` gives it (1 when it does not divide)."""
+  spec = parallel.logical_to_spec((name,), (size,), mesh)
+  return shard_shape((size,), spec, dict(mesh.shape))[0]
+
+
+def batch_rows(config: Any, batch_shards: int) -> int:
+  """Rows of every update batch; mirrors `train.batch_rows` (a test checks they agree)."""
+  rollouts = config.rollout.batch_size * config.rollout.group_size
+  if config.replay.name == "advantage_priority" and config.replay.composition == "fresh_anchored":
+    rollouts += int(round(config.replay.replay_fraction * rollouts))
+  multiple = config.train.num_minibatches * config.train.num_microbatches * batch_shards
+  return -(-rollouts // multiple) * multiple
+
+
+def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", mesh: Any = None,
+             mesh_kind: str | None = None, model: ModelConfig | None = None) -> Workload:
+  """The sizes of one RL step on a (data, fsdp, tensor) mesh; `model` replaces the config's architecture."""
+  if len(mesh_shape) != 3 or any(int(s) < 1 for s in mesh_shape):
+    raise ValueError(f"plan.py: mesh {tuple(mesh_shape)} must be three positive sizes (data, fsdp, tensor)")
+  if backend not in BACKENDS:
+    raise ValueError(f"plan.py: backend={backend!r} is not one of {BACKENDS}")
+  if mesh is None:
+    mesh, mesh_kind = spec_mesh(mesh_shape)
+  cfg = model_config(config) if model is None else model
+  data, fsdp, _ = (int(s) for s in mesh_shape)
+  shards = data * fsdp
+  rows = batch_rows(config, shards)
+  t, r = config.train, config.rollout
+  # sampling_batches.plan_calls: the step's rollouts padded to the shards, cut into calls of at most max rows each.
+  per_device = -(-r.batch_size * r.group_size // shards)
+  call_rows = min(per_device, r.max_rows_per_device) if r.max_rows_per_device > 0 else per_device
+  prompt_len = bucket_length(config.data.max_prompt_len)
+  return Workload(
+      model=cfg, mesh_shape=tuple(int(s) for s in mesh_shape), mesh_kind=mesh_kind, backend=backend,
+      batch_shards=shards, rows=rows, micro_rows=rows // (t.num_minibatches * t.num_microbatches * shards),
+      rollout_rows=call_rows, sampler_calls=-(-per_device // call_rows),
+      prefill_rows=r.prefill_rows_per_device if 0 < r.prefill_rows_per_device < call_rows else call_rows,
+      prefill_tokens=r.prefill_chunk_tokens if 0 < r.prefill_chunk_tokens < prompt_len else prompt_len,
+      prompt_len=prompt_len, completion_len=r.max_new_tokens,
+      heads=_split("q_heads", cfg.num_heads, mesh), kv_heads=_split("kv_heads", cfg.num_kv_heads, mesh),
+      mlp=_split("mlp", cfg.intermediate_size, mesh), vocab=_split("vocab", cfg.vocab_size, mesh),
+      compute_bytes=jnp.dtype(cfg.compute_dtype).itemsize, param_bytes=jnp.dtype(cfg.param_dtype).itemsize)
+
+
+def attention_bytes(w: Workload, rows: int, q_len: int, kv_len: int, *, backward: bool) -> int:
+  """Transient bytes of one attention call of `rows` rows beyond q/k/v and its output (plan.py's docstring)."""
+  impl = w.attention(q_len, kv_len)
+  m, n, kv = w.model, w.heads, w.kv_heads
+  if impl == "xla":  # f32 scores and probabilities, the compute-dtype probabilities, the [B, T, S] mask
+    per = rows * n * q_len * kv_len * (8 + w.compute_bytes) + rows * q_len * kv_len
+    return per * (2 if backward else 1)
+  if impl == "cudnn":  # fused: the f32 log-sum-exp per query and head
+    return rows * n * q_len * 4
+  bq, bk = min(m.attention_block_size, q_len), min(m.attention_block_size, kv_len)
+  block = rows * n * bq * bk * 4  # one [B, K, G*bq, bk] f32 score block
+  if backward:  # s, p, dp, ds of a block and the f32 dk, dv accumulators over all slots
+    return 4 * block + 2 * rows * kv * kv_len * m.head_dim * 4
+  return 2 * block + rows * n * bq * m.head_dim * 4  # s and p of a block, the f32 output accumulator
+
+
+def _logits_chunk_bytes(w: Workload, rows: int, copies: int) -> int:
+  """The scorer's [rows, chunk, vocab_chunk] f32 logits (`scoring.py`), `copies` of them live at once."""
+  chunk = min(scoring.DEFAULT_CHUNK_SIZE, w.seq_len)
+  vocab_chunk = scoring._vocab_chunks(w.vocab, scoring.DEFAULT_VOCAB_CHUNK_SIZE)[1]  # pylint: disable=protected-access
+  return copies * rows * chunk * vocab_chunk * 4
+
+
+def _layer_forward_bytes(w: Workload, rows: int, q_len: int, kv_len: int) -> int:
+  """One layer's forward live set at its peak (the MLP) for `rows` x `q_len` tokens, without remat's residuals."""
+  m, c = w.model, w.compute_bytes
+  dense = rows * q_len * (FORWARD_MLP_ARRAYS * w.mlp + FORWARD_HIDDEN_ARRAYS * m.hidden_size) * c
+  return dense + attention_bytes(w, rows, q_len, kv_len, backward=False)
+
+
+def weights(w: Workload, mesh: Any, mesh_kind: str) -> dict[str, int]:
+  """Per-device bytes of the parameters (`params`), of one layer's shard (`layer`) and of all-gathered copies of one
+  layer and of the unembedding (`layer_full`, `unembed_full`: the batch axes dropped, in the parameter dtype);
+  `param_count` counts elements."""
+  m = w.model
+  table = param_table(m, mesh)
+  full = {path: _per_device(shape, spec, mesh, mesh_kind, drop_axes=parallel.BATCH_AXES)
+          for path, shape, spec, _ in table}
+  local = {path: _per_device(shape, spec, mesh, mesh_kind) for path, shape, spec, _ in table}
+  p = w.param_bytes
+  return {
+      "param_count": sum(math.prod(shape) for _, shape, _, _ in table),
+      "params": sum(local[path] * nbytes for path, _, _, nbytes in table),
+      "layer": sum(n for path, n in local.items() if path.startswith("layers.0.")) * p,
+      "layer_full": sum(n for path, n in full.items() if path.startswith("layers.0.")) * p,
+      "unembed_full": full["embed" if m.tie_embeddings else "lm_head"] * p,
+  }
+
+
+def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -> int:
+  """All-gathered weight copies alive in a phase that runs `layers` layers (plan.py's docstring, "Gathered weights")."""
+  if w.mesh_shape[1] == 1 and w.compute_bytes == w.param_bytes:
+    return 0  # nothing to gather or cast: the layers read their parameters in place
+  full, cast = wt["layer_full"], wt["layer_full"] * w.compute_bytes // w.param_bytes
+  if w.backend == "cpu":  # measured: every layer's gathered copy stays live (and in the backward its full gradient)
+    return layers * full * (2 if backward else 1)
+  # Accelerators: the layer running and the one prefetched, in the compute dtype, one param-dtype gather in flight;
+  # the backward adds one layer's full-size gradient before its reduce-scatter.
+  return 2 * cast + full + (full if backward else 0)
+
+
+def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
+  """The update step's footprint on one device, by term (its sum is the phase's `total`)."""
+  m, c, b, s = w.model, w.compute_bytes, w.micro_rows, w.seq_len
+  local_rows, t = w.rows // w.batch_shards, w.completion_len
+  kl = int(config.loss.kl_coef > 0)
+  out = {
+      "state": 3 * wt["params"],  # parameters and AdamW's two moments (donated: counted once)
+      "batch": local_rows * (2 * s * 4 + (4 + kl) * t * 4 + 2),
+      "gradients": wt["params"] * (2 if config.train.num_microbatches > 1 else 1),
+  }
+  mlp, hidden = b * s * w.mlp * c, b * s * m.hidden_size * c  # one [b, S, F] and one [b, S, D] array
+  attention = attention_bytes(w, b, s, s, backward=True)
+  if m.remat:  # every block's input, and one layer's backward
+    out["activations"] = (m.num_layers * hidden + BACKWARD_MLP_ARRAYS * mlp + BACKWARD_HIDDEN_ARRAYS * hidden
+                          + attention)
+  else:
+    # Every layer keeps its MLP's backward set from the forward (XLA merges the backward's recomputation of
+    # silu(gate) * up with the forward's) and two [b, S, D] arrays; the running layer's backward adds the rest.
+    out["activations"] = (m.num_layers * (BACKWARD_MLP_ARRAYS * mlp + FORWARD_HIDDEN_ARRAYS * hidden)
+                          + (BACKWARD_HIDDEN_ARRAYS - FORWARD_HIDDEN_ARRAYS) * hidden + attention)
+  out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=True)
+  out["logits"] = _logits_chunk_bytes(w, b, LOGITS_CHUNK_COPIES)
+  return out
+
+
+def score_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
+  """The scoring pass's footprint on one device (one micro-batch of rows at a time over the update batch)."""
+  del config
+  b, s, local_rows, t = w.micro_rows, w.seq_len, w.rows // w.batch_shards, w.completion_len
+  return {
+      "params": wt["params"],
+      "batch": local_rows * (2 * s * 4 + 3 * t * 4 + 2) + 2 * local_rows * t * 4,  # inputs, then logp and entropy
+      "activations": _layer_forward_bytes(w, b, s, s),
+      "gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False),
+      "logits": _logits_chunk_bytes(w, b, LOGITS_CHUNK_COPIES - 1),
+  }
+
+
+def kv_cache_bytes(w: Workload) -> int:
+  """One sampler call's cache: layers x (k, v) x rows x slots x kv heads x head_dim, compute dtype."""
+  m = w.model
+  return m.num_layers * 2 * w.rollout_rows * w.seq_len * w.kv_heads * m.head_dim * w.compute_bytes
+
+
+def _loop_state_bytes(w: Workload) -> int:
+  """The decode carry besides the cache: uniforms, tokens, log-probs, entropies [r, T]; the key mask [r, S]."""
+  return w.rollout_rows * (4 * w.completion_len * 4 + w.seq_len * 4)
+
+
+def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
+  """One sampler call's prefill on one device: it writes the cache it returns."""
+  del config
+  m, r, c = w.model, w.rollout_rows, w.compute_bytes
+  out = {"params": wt["params"], "kv_cache": kv_cache_bytes(w), "loop_state": _loop_state_bytes(w)}
+  activations = _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.seq_len)
+  if w.prefill_rows < r:
+    # Row blocks: a block's cache fills layer by layer while its forward runs (the last layer's forward beside the
+    # other layers' k and v), then is written into the call's cache whole, which copies one k or v of the call's.
+    row = w.seq_len * w.kv_heads * m.head_dim * c  # one row's k (or v) of one layer
+    block = 2 * w.prefill_rows * row
+    activations = max(activations + (m.num_layers - 1) * block, r * row + m.num_layers * block)
+  out["activations"] = activations + r * m.vocab_size * 4  # the last position's logits
+  out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=False)
+  return out
+
+
+def decode_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
+  """The decode loop on one device: the cache and the carry are donated and updated in place."""
+  del config
+  m, r = w.model, w.rollout_rows
+  out = {"params": wt["params"], "kv_cache": kv_cache_bytes(w), "loop_state": _loop_state_bytes(w)}
+  # One token a row: the attention over all slots and the sampler's [r, V] f32 softmax, cumsum and their kin.
+  out["activations"] = attention_bytes(w, r, 1, w.seq_len, backward=False) + 4 * r * m.vocab_size * 4
+  # The loop's weights are invariant: XLA hoists their all-gathers out of it, so every layer's gathered copy and the
+  # unembedding's live through the loop (measured on XLA:CPU; the pass is not backend-specific).
+  cast = w.compute_bytes if w.backend != "cpu" else w.param_bytes  # XLA:CPU's dots read the f32 gathers
+  if w.mesh_shape[1] > 1 or w.compute_bytes != w.param_bytes:
+    out["gathered"] = (m.num_layers * wt["layer_full"] + wt["unembed_full"]) * cast // w.param_bytes
+  else:
+    out["gathered"] = 0
+  return out
+
+
+PHASE_FUNCTIONS = {"update": update_bytes, "score": score_bytes, "prefill": prefill_bytes, "decode": decode_bytes}
+
+
+def phase_terms(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu",
+                model: ModelConfig | None = None) -> tuple[Workload, dict[str, int], dict[str, dict[str, int]]]:
+  """(workload, weights, phase -> term -> bytes): every compiled phase's footprint on one device, by term."""
+  mesh, mesh_kind = spec_mesh(mesh_shape)
+  w = workload(config, mesh_shape, backend=backend, mesh=mesh, mesh_kind=mesh_kind, model=model)
+  wt = weights(w, mesh, mesh_kind)
+  return w, wt, {name: fn(config, w, wt) for name, fn in PHASE_FUNCTIONS.items()}
+
+
+def plan_memory(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", model: ModelConfig | None = None,
+                replay_trajectories: int | None = None, tokens_per_trajectory: int | None = None,
+                store_fraction: float = EXGRPO_STORE_FRACTION) -> dict[str, int]:
+  """Bytes per device of one RL step on `backend` (and of the host replay buffer, over all hosts).
+
+  Keys: params, optimizer, gradients, frozen_copies, resident; update, score, prefill, decode (each compiled phase's
+  footprint, the figure plan_xla.py compares with XLA's) and their terms as "phase.term"; kv_cache, train_peak,
+  score_peak, rollout_peak, peak, replay_host; and param_count, replay_trajectories, replay_tokens (counts).
+  """
+  w, wt, phases = phase_terms(config, mesh_shape, backend=backend, model=model)
+  out: dict[str, int] = {"param_count": wt["param_count"], "params": wt["params"], "optimizer": 2 * wt["params"]}
+  out["gradients"] = phases["update"]["gradients"]
+  copies = int(config.loss.kl_coef > 0) + int(config.replay.get("policy_delay", 0))
+  out["frozen_copies"] = copies * wt["params"]  # the KL reference and BAPO's delayed policies
+  out["resident"] = out["params"] + out["optimizer"] + out["frozen_copies"]
+  for name, terms in phases.items():
+    out[name] = sum(terms.values())
+    out.update({f"{name}.{term}": value for term, value in terms.items()})
+  out["kv_cache"] = phases["prefill"]["kv_cache"]
+  # A phase's footprint holds its own arguments; the rest of what stays resident is added: the update takes the state
+  # (parameters and moments), the scorer and the sampler take one set of parameters.
+  out["train_peak"] = out["update"] + out["frozen_copies"]
+  out["score_peak"] = out["score"] + out["optimizer"] + out["frozen_copies"]
+  out["rollout_peak"] = max(out["prefill"], out["decode"]) + out["optimizer"] + out["frozen_copies"]
+  out["peak"] = max(out["train_peak"], out["score_peak"], out["rollout_peak"])
+  replay_bytes, trajectories, tokens = replay_estimate(config, trajectories=replay_trajectories,
+                                                       tokens_per_trajectory=tokens_per_trajectory,
+                                                       store_fraction=store_fraction)
+  out["replay_host"] = replay_bytes
+  out["replay_trajectories"] = trajectories
+  out["replay_tokens"] = tokens
+  return out
+
+
+def replay_estimate(config: Any, *, trajectories: int | None, tokens_per_trajectory: int | None,
+                    store_fraction: float) -> tuple[int, int, int]:
+  """(host bytes, trajectories, tokens per trajectory) of the replay buffer at its expected size."""
+  from jaxrlvr.replay.storage import RolloutStore  # pylint: disable=g-import-not-at-top  (numpy only)
+  r, name = config.replay, config.replay.name
+  rollouts = config.rollout.batch_size * config.rollout.group_size
+  if trajectories is None:
+    if name == "exgrpo":
+      trajectories = round(config.total_steps * rollouts * store_fraction)
+    elif name == "advantage_priority":
+      trajectories = min(r.capacity, r.tau_max * rollouts)
+    elif name == "bapo":
+      trajectories = r.window * rollouts
+    else:
+      trajectories = 0
+  if tokens_per_trajectory is None:
+    tokens_per_trajectory = min(TOKENS_PER_TRAJECTORY, config.rollout.max_new_tokens)
+  max_tokens = r.get("max_tokens", 0)
+  if max_tokens and trajectories * tokens_per_trajectory > max_tokens:
+    trajectories = max_tokens // tokens_per_trajectory
+  # Measure the store's own accounting: one row of 1 token, then one of 3: A = row + tok, B = 2 row + 4 tok.
+  store = RolloutStore()
+  store.add(np.zeros(1, np.int32), np.zeros(1, np.float32), qid=0, step=0)
+  one = store.live_nbytes()
+  store.add(np.zeros(3, np.int32), np.zeros(3, np.float32), qid=1, step=0)
+  per_token = (store.live_nbytes() - 2 * one) // 2
+  per_row = one - per_token
+  live = trajectories * (tokens_per_trajectory * per_token + per_row)
+  return int(live * STORE_SLACK + trajectories * ROW_INDEX_BYTES), int(trajectories), int(tokens_per_trajectory)
+
+
+def fits(memory: dict[str, int], accelerator: str, *, usable_fraction: float = USABLE_FRACTION) -> bool:
+  """Whether the largest phase peak fits `usable_fraction` of one device of `accelerator` (a key of ACCELERATORS).
+
+  `memory` is `plan_memory` for that accelerator's backend.
+  """
+  if accelerator not in ACCELERATORS:
+    raise KeyError(f"plan.py: unknown accelerator {accelerator!r}; known: {sorted(ACCELERATORS)}")
+  if not 0 < usable_fraction <= 1:
+    raise ValueError(f"plan.py: usable_fraction={usable_fraction} must be in (0, 1]")
+  return memory["peak"] <= usable_fraction * ACCELERATORS[accelerator].memory
