@@ -4,6 +4,7 @@ The result is an ordinary Hugging Face checkpoint directory (models.save_pretrai
 everything that determines it (model architecture, tokenizer vocabulary, task, steps, learning rate, batch, seed), so
 repeated runs, every method of a comparison and every seed of it start from the same weights without retraining.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,14 +28,19 @@ from jaxrlvr import step as step_lib
 _VERSION = 2
 
 
+_EXECUTION_FIELDS = ("attention", "attention_block_size", "remat")
+
+
 def cache_key(model_config, tokenizer, pairs, *, task: str, steps: int, lr: float, batch_size: int,
               seed: int) -> str:
   """A hash of everything the warm-started weights depend on; the first pairs stand for the task's text format."""
   vocab = sorted(tokenizer.get_vocab().items())
+  # How the model is computed (attention kernel, remat) does not change what it learns: not part of the key.
+  architecture = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _EXECUTION_FIELDS}
   sample = [(list(map(int, p)), list(map(int, c))) for p, c in pairs[:64]]
-  blob = json.dumps({"version": _VERSION, "model": repr(model_config), "vocab": vocab, "task": task, "steps": steps,
-                     "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": sample, "num_pairs": len(pairs)},
-                    sort_keys=True)
+  blob = json.dumps({"version": _VERSION, "model": repr(sorted(architecture.items())), "vocab": vocab, "task": task,
+                     "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": sample,
+                     "num_pairs": len(pairs)}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -1,10 +1,13 @@
 """The supervised warm start: it lowers the completions' loss, and its step compiles once however many steps run."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrlvr import models
 from jaxrlvr import parallel
 from jaxrlvr import step as step_lib
 from jaxrlvr import warm_start
@@ -39,3 +42,21 @@ def test_warm_start_learns_and_compiles_its_step_once(devices, monkeypatch):
   after = _completion_nll(trained, mesh)
   assert after < 0.5 * before, (before, after)
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(nnx.state(trained)))
+
+
+def test_cache_key_ignores_how_the_model_is_computed():
+  """The attention kernel, its block size and remat change no weight the warm start learns, so they share a cache
+  entry; the architecture, the data and the optimisation do not."""
+  class Vocab:
+    def get_vocab(self):
+      return {"a": 0, "b": 1}
+
+  config = models.get_preset("tiny")
+  pairs = [([1, 2], [3])]
+  key = lambda cfg, **kw: warm_start.cache_key(cfg, Vocab(), pairs, task="t", steps=kw.get("steps", 10), lr=1e-3,
+                                               batch_size=4, seed=0)
+  base = key(config)
+  for same in (dict(attention="blockwise"), dict(attention="xla", attention_block_size=64), dict(remat=True)):
+    assert key(dataclasses.replace(config, **same)) == base, same
+  assert key(dataclasses.replace(config, hidden_size=config.hidden_size * 2)) != base
+  assert key(config, steps=11) != base
