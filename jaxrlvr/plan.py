@@ -34,6 +34,14 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
 - Scoring pass (`step.make_score_fn`: old log-probs over the update batch, one micro-batch of rows at a time):
   parameters, the batch and its two [rows, T] f32 outputs, one layer's forward at its MLP (3 [b, S, F] + 2
   [b, S, D] arrays in c) + the attention's forward transient, the gathered weights, 3 logits chunks.
+- With `rollout.engine="continuous"` (`engine.py`): one state of r = `decode_slots` (else `max_rows_per_device`,
+  else all rows) slots a device for the whole step, the same cache and carry (no key mask); its prefill holds
+  the prompts' own cache (L x 2 x U x P x K x H x c, U = `prefill_rows_per_device` or r distinct prompts) beside
+  one layer's forward over P; with `decode_weights="replicated"` both phases read a copy of every parameter with
+  the batch axes dropped, in c (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident.
+  The engine's decode is checked against XLA, its prefill is not: on a mesh of several batch shards the insert's
+  scatter of prompts into slots holds far more than planned (XLA: 6.45 GB of temporaries a layer at 7B on fsdp=8),
+  so paper-scale runs keep the static sampler until the insert runs per batch shard.
 - Sampler call (`sampling.generate`; a step's B x K rollouts in calls of r = min(rows a device,
   `rollout.max_rows_per_device`) rows): KV cache = L x 2 x r x S x K x H x c, the decode carry (uniforms,
   tokens, log-probs, entropies [r, T], key mask [r, S]). Prefill: one layer's forward for a block of
@@ -132,8 +140,10 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
       f"{w.rows} rows of {p} + {w.completion_len} = {s} tokens",
       f"      {_n(t.num_minibatches, 'optimizer step')} x {_n(t.num_microbatches, 'micro-batch')}: "
       f"{_n(w.micro_rows, 'row')} a device per micro-batch and per scoring pass; sampler: "
-      f"{_n(w.rollout_rows, 'row')} a device per call, {_n(w.sampler_calls, 'call')}, prefill "
-      f"{w.prefill_rows} rows x {w.prefill_tokens} slots at a time",
+      + (f"the engine, {_n(w.rollout_rows, 'decode slot')} a device, prefill up to {w.prefill_rows} prompts x "
+         f"{w.prefill_tokens} slots at a time" if w.engine else
+         f"{_n(w.rollout_rows, 'row')} a device per call, {_n(w.sampler_calls, 'call')}, prefill "
+         f"{w.prefill_rows} rows x {w.prefill_tokens} slots at a time"),
       "",
       f"{'per device (' + backend + ')':<50}{'GB':>9}",
       _row("parameters", mem["params"]),
@@ -156,6 +166,8 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
       _row(f"prefill transient ({w.prefill_rows} rows x {w.prefill_tokens} slots)", mem["prefill.activations"]),
       _row("decode transient", mem["decode.activations"]),
       _row("gathered weights (decode: every layer)", mem["decode.gathered"]),
+      *([_row("decode copy of the weights (engine.decode_layout)", mem["decode.decode_copy"])]
+        if "decode.decode_copy" in mem else []),
       _row("peak", mem["rollout_peak"]),
       _row(f"PEAK ({_peak_phase(mem)})", mem["peak"], indent=""),
       "",
@@ -163,6 +175,9 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
       f"{mem['replay_tokens']:,} tokens = {mem['replay_host'] / GB:.2f} GB over all hosts (each host keeps its own "
       "questions' share)",
   ]
+  if w.engine and w.batch_shards > 1:
+    lines.append("warning: the rollout engine's insert on several batch shards holds more than planned (at 7B on "
+                 "fsdp=8, 6.45 GB a layer); keep rollout.engine='static' at this scale")
   if s > m.max_position_embeddings:
     lines.append(f"warning: {s} tokens exceed the model's max_position_embeddings "
                  f"({m.max_position_embeddings}); the checkpoint's RoPE was not trained that far")

@@ -80,6 +80,8 @@ class Workload:
   vocab: int
   compute_bytes: int
   param_bytes: int
+  engine: bool = False  # rollout.engine="continuous": rollout_rows are its decode slots, one state for the step
+  decode_copy: bool = False  # ... and rollout.decode_weights="replicated": it decodes from a copy of the weights
 
   @property
   def seq_len(self) -> int:
@@ -186,12 +188,17 @@ def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", me
   t, r = config.train, config.rollout
   # sampling_batches.plan_calls: the step's rollouts padded to the shards, cut into calls of at most max rows each.
   per_device = -(-r.batch_size * r.group_size // shards)
-  call_rows = min(per_device, r.max_rows_per_device) if r.max_rows_per_device > 0 else per_device
+  engine = r.get("engine", "static") == "continuous"
+  # The engine's decode slots per device (engine_scheduler.generate): decode_slots, else max_rows_per_device, else a
+  # slot per row; rows beyond them queue in the same state. The static sampler: calls of max_rows_per_device rows.
+  bound = (r.get("decode_slots", 0) or r.max_rows_per_device) if engine else r.max_rows_per_device
+  call_rows = min(per_device, bound) if bound > 0 else per_device
   prompt_len = bucket_length(config.data.max_prompt_len)
   return Workload(
       model=cfg, mesh_shape=tuple(int(s) for s in mesh_shape), mesh_kind=mesh_kind, backend=backend,
       batch_shards=shards, rows=rows, micro_rows=rows // (t.num_minibatches * t.num_microbatches * shards),
-      rollout_rows=call_rows, sampler_calls=-(-per_device // call_rows),
+      rollout_rows=call_rows, sampler_calls=1 if engine else -(-per_device // call_rows),
+      engine=engine, decode_copy=engine and r.get("decode_weights", "replicated") == "replicated",
       prefill_rows=r.prefill_rows_per_device if 0 < r.prefill_rows_per_device < call_rows else call_rows,
       prefill_tokens=r.prefill_chunk_tokens if 0 < r.prefill_chunk_tokens < prompt_len else prompt_len,
       prompt_len=prompt_len, completion_len=r.max_new_tokens,
@@ -243,6 +250,8 @@ def weights(w: Workload, mesh: Any, mesh_kind: str) -> dict[str, int]:
   return {
       "param_count": sum(math.prod(shape) for _, shape, _, _ in table),
       "params": sum(local[path] * nbytes for path, _, _, nbytes in table),
+      # engine.decode_layout: every parameter with the batch axes dropped, in the compute dtype
+      "decode_copy": sum(full.values()) * w.compute_bytes,
       "layer": sum(n for path, n in local.items() if path.startswith("layers.0.")) * p,
       "layer_full": sum(n for path, n in full.items() if path.startswith("layers.0.")) * p,
       "unembed_full": full["embed" if m.tie_embeddings else "lm_head"] * p,
@@ -306,8 +315,24 @@ def kv_cache_bytes(w: Workload) -> int:
 
 
 def _loop_state_bytes(w: Workload) -> int:
-  """The decode carry besides the cache: uniforms, tokens, log-probs, entropies [r, T]; the key mask [r, S]."""
-  return w.rollout_rows * (4 * w.completion_len * 4 + w.seq_len * 4)
+  """The decode carry besides the cache: uniforms, tokens, log-probs, entropies [r, T]; the static sampler's key mask
+  [r, S] (the engine's slots hold their lengths instead)."""
+  return w.rollout_rows * (4 * w.completion_len * 4 + (0 if w.engine else w.seq_len * 4))
+
+
+def _sampler_weights(w: Workload, wt: dict[str, int], *, layers: int) -> dict[str, int]:
+  """The weights a sampler phase holds: the parameters, and either the engine's decode copy (it reads only that,
+  so nothing is gathered) or the gathered copies of `layers` layers and the unembedding (`gathered`)."""
+  moved = w.mesh_shape[1] > 1 or w.compute_bytes != w.param_bytes  # else the weights are read where they are
+  if w.decode_copy:  # (jit hands an unchanged input back as its output: no copy when nothing moves)
+    return {"params": wt["params"], "decode_copy": wt["decode_copy"] if moved else 0, "gathered": 0}
+  # The loop's weights are invariant: XLA hoists their all-gathers out of it, so every layer's gathered copy and the
+  # unembedding's live through the loop (measured on XLA:CPU; the pass is not backend-specific).
+  cast = w.compute_bytes if w.backend != "cpu" else w.param_bytes  # XLA:CPU's dots read the f32 gathers
+  gathered = 0
+  if moved:
+    gathered = (layers * wt["layer_full"] + wt["unembed_full"]) * cast // w.param_bytes
+  return {"params": wt["params"], "gathered": gathered}
 
 
 def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
@@ -315,6 +340,16 @@ def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int
   del config
   m, r, c = w.model, w.rollout_rows, w.compute_bytes
   out = {"params": wt["params"], "kv_cache": kv_cache_bytes(w), "loop_state": _loop_state_bytes(w)}
+  if w.engine:
+    # engine._insert: the prompts' own cache [U, K, P, H] for every layer, their forward over it, their logits; then
+    # copied into the slots' (donated) cache. U = prefill_rows distinct prompts a device.
+    prompt_cache = m.num_layers * 2 * w.prefill_rows * w.prompt_len * w.kv_heads * m.head_dim * c
+    out["activations"] = (prompt_cache + _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.prompt_len)
+                          + r * m.vocab_size * 4)
+    if w.decode_copy:
+      return {**out, **_sampler_weights(w, wt, layers=m.num_layers)}
+    out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=False)
+    return out
   activations = _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.seq_len)
   if w.prefill_rows < r:
     # Row blocks: a block's cache fills layer by layer while its forward runs (the last layer's forward beside the
@@ -331,17 +366,11 @@ def decode_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
   """The decode loop on one device: the cache and the carry are donated and updated in place."""
   del config
   m, r = w.model, w.rollout_rows
-  out = {"params": wt["params"], "kv_cache": kv_cache_bytes(w), "loop_state": _loop_state_bytes(w)}
-  # One token a row: the attention over all slots and the sampler's [r, V] f32 softmax, cumsum and their kin.
+  out = {"kv_cache": kv_cache_bytes(w), "loop_state": _loop_state_bytes(w)}
+  # One token a row: the attention over all slots (the engine's over the segments its rows reach, at most all) and
+  # the sampler's [r, V] f32 softmax, cumsum and their kin.
   out["activations"] = attention_bytes(w, r, 1, w.seq_len, backward=False) + 4 * r * m.vocab_size * 4
-  # The loop's weights are invariant: XLA hoists their all-gathers out of it, so every layer's gathered copy and the
-  # unembedding's live through the loop (measured on XLA:CPU; the pass is not backend-specific).
-  cast = w.compute_bytes if w.backend != "cpu" else w.param_bytes  # XLA:CPU's dots read the f32 gathers
-  if w.mesh_shape[1] > 1 or w.compute_bytes != w.param_bytes:
-    out["gathered"] = (m.num_layers * wt["layer_full"] + wt["unembed_full"]) * cast // w.param_bytes
-  else:
-    out["gathered"] = 0
-  return out
+  return {**out, **_sampler_weights(w, wt, layers=m.num_layers)}
 
 
 PHASE_FUNCTIONS = {"update": update_bytes, "score": score_bytes, "prefill": prefill_bytes, "decode": decode_bytes}

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrlvr import engine
 from jaxrlvr import models
 from jaxrlvr import parallel
 from jaxrlvr import plan_memory
@@ -111,7 +112,9 @@ def compile_phases(config: Any, mesh: Any, model_config: ModelConfig | None = No
     batch = _update_batch(w, batch_sharding, kl=False)
     del batch["old_logp"]  # the trainer scores the batch before it has old log-probs
     out["score"] = PhaseMemory.of(score.lower(params, batch).compile())
-  if "prefill" in phases or "decode" in phases:
+  if w.engine and ("prefill" in phases or "decode" in phases):
+    out.update(_engine_phases(config, w, mesh, graphdef, params, phases))
+  elif "prefill" in phases or "decode" in phases:
     r = config.rollout
     spec = sampling._Spec(  # pylint: disable=protected-access  (the sampler's own compiled functions)
         graphdef=graphdef, max_new_tokens=w.completion_len, greedy=r.temperature == 0, top_k=int(r.top_k),
@@ -134,4 +137,39 @@ def compile_phases(config: Any, mesh: Any, model_config: ModelConfig | None = No
       loop_state = jax.tree.map(lambda x, s: _abstract(x.shape, x.dtype, s), shapes,
                                 compiled_prefill.output_shardings)
       out["decode"] = PhaseMemory.of(decode.lower(params, loop_state).compile())
+  return out
+
+
+def _engine_phases(config: Any, w: plan_memory.Workload, mesh: Any, graphdef: Any, params: Any,
+                   phases: tuple[str, ...]) -> dict[str, PhaseMemory]:
+  """The rollout engine's insert (its prefill) and decode chunk for rollout.engine="continuous": w.rollout_rows slots
+  a device, w.prefill_rows distinct prompts a device per insert, the weights in the decode layout when
+  rollout.decode_weights="replicated"."""
+  r = config.rollout
+  if w.decode_copy:
+    params = jax.eval_shape(lambda p: engine.decode_layout(p, mesh, w.model.compute_dtype), params)
+  spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=w.completion_len, capacity=w.seq_len,
+                           greedy=r.temperature == 0, top_k=int(r.top_k), nucleus=r.top_p < 1.0,
+                           chunk_steps=int(r.decode_chunk_steps), mesh=mesh, prefill_tokens=int(r.prefill_chunk_tokens))
+  fns = engine.compiled(spec)
+  replicated, by_shard = NamedSharding(mesh, PartitionSpec()), parallel.batch_sharding(mesh)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  controls = engine.Controls(rng=_abstract(key.shape, key.dtype, replicated),
+                             stop_ids=_abstract((4,), jnp.int32, replicated),
+                             pad_id=_abstract((), jnp.int32, replicated),
+                             temperature=_abstract((), jnp.float32, replicated),
+                             top_p=_abstract((), jnp.float32, replicated))
+  slots = w.rollout_rows * w.batch_shards
+  init = fns.init.lower(params, slots, controls)
+  state = jax.tree.map(lambda x, sharding: _abstract(x.shape, x.dtype, sharding), init.out_info,
+                       init.compile().output_shardings)
+  out = {}
+  if "prefill" in phases:
+    prompts = w.prefill_rows * w.batch_shards
+    inputs = (_abstract((prompts, w.prompt_len), jnp.int32, by_shard), _abstract((prompts,), jnp.int32, by_shard),
+              *(_abstract((slots,), jnp.int32, replicated) for _ in range(3)))
+    out["prefill"] = PhaseMemory.of(fns.insert.lower(params, state, *inputs).compile())
+  if "decode" in phases:
+    out["decode"] = PhaseMemory.of(fns.decode_chunk.lower(params, state, _abstract((), jnp.int32, replicated))
+                                   .compile())
   return out

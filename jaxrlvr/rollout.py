@@ -13,7 +13,9 @@ verifier, and the final groups become the padded batch of `step.make_update_fn`:
   clip           [R]         bool: the PPO clip applies to this row's fresh tokens
 R is fixed per run (filler rows pad it), so the update compiles once.
 """
+import collections
 from collections.abc import Callable, Sequence
+import concurrent.futures
 import dataclasses
 
 import jax
@@ -63,19 +65,69 @@ class SamplerSettings:
   max_rows_per_device: int = 0
   prefill_rows_per_device: int = 0
   prefill_chunk_tokens: int = 0
+  # How the sampler decodes (config rollout.*; `sampling.generate`'s arguments of the same names).
+  engine: str = "static"
+  decode_slots: int = 0
+  decode_chunk_steps: int = 16
+  decode_weights: str = "replicated"
 
   def memory_limits(self) -> dict[str, int]:
     return {name: getattr(self, name) for name in sampling.MEMORY_LIMITS}
+
+  def engine_settings(self) -> dict:
+    return {name: getattr(self, name) for name in sampling.ENGINE_SETTINGS}
 
 
 def decode(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
   return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens, lengths)], skip_special_tokens=True)
 
 
+class ScoreAsRowsFinish:
+  """The sampler's `on_rows_done`: decodes and scores rows on a background thread as the sampler hands them over.
+
+  The rollout engine hands rows over as they stop, while the device decodes the rest, so math-verify's workers score
+  the early rows during decoding rather than all rows after it; the static sampler hands every row over at the end.
+  One thread calls the pool, so its `score` calls never overlap each other. `result` waits for every batch and
+  returns the rewards [n] in row order and the pool's counters summed over the batches.
+  """
+
+  def __init__(self, reward_pool, tokenizer, answers: Sequence[str]):
+    self._pool, self._tokenizer, self._answers = reward_pool, tokenizer, answers
+    self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards")
+    self._batches: list[tuple[np.ndarray, concurrent.futures.Future]] = []
+
+  def __enter__(self) -> "ScoreAsRowsFinish":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._thread.shutdown(wait=True, cancel_futures=True)
+
+  def __call__(self, rows: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    rows, tokens, lengths = np.asarray(rows), np.array(tokens), np.array(lengths)  # copies: the caller reuses its own
+    self._batches.append((rows, self._thread.submit(self._score, rows, tokens, lengths)))
+
+  def _score(self, rows: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, dict]:
+    return self._pool.score(decode(self._tokenizer, tokens, lengths), [self._answers[r] for r in rows])
+
+  def result(self) -> tuple[np.ndarray, dict[str, float]]:
+    rewards = np.full(len(self._answers), np.nan, np.float32)
+    info: collections.Counter = collections.Counter()
+    for rows, batch in self._batches:
+      scores, counts = batch.result()
+      rewards[rows] = scores
+      info.update(counts)
+    if np.isnan(rewards).any():
+      raise RuntimeError(f"rollout.py: the sampler handed over {int((~np.isnan(rewards)).sum())} of "
+                         f"{len(rewards)} rows")  # a sampler bug, never a user's
+    info["batches"] = len(self._batches)
+    return rewards, dict(info)
+
+
 def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[replay.Request], book: PromptBook,
                   reward_pool, settings: SamplerSettings, *, step: int, rng, mesh=None,
                   pad_batch_to: int = 1) -> tuple[list[replay.Group], dict]:
-  """Samples every request (grouped by the policy version it asks for) and scores the completions.
+  """Samples every request (grouped by the policy version it asks for) and scores the completions as the sampler
+  hands them over (`ScoreAsRowsFinish`).
 
   Returns one Group per request, in order, and host-side info (tokens sampled, reward counters).
   """
@@ -84,13 +136,14 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
   for delay in sorted({r.policy_delay for r in requests}):
     indices = [i for i, r in enumerate(requests) if r.policy_delay == delay]
     prompts = [book.prompt_ids(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
-    out = sampling.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
-                            rng=jax.random.fold_in(rng, delay), temperature=settings.temperature,
-                            top_p=settings.top_p, top_k=settings.top_k, eos_ids=settings.eos_ids,
-                            pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
-                            **settings.memory_limits())
     answers = [book.answer(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
-    rewards, reward_info = reward_pool.score(decode(book.tokenizer, out.tokens, out.lengths), answers)
+    with ScoreAsRowsFinish(reward_pool, book.tokenizer, answers) as scorer:
+      out = sampling.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
+                              rng=jax.random.fold_in(rng, delay), temperature=settings.temperature,
+                              top_p=settings.top_p, top_k=settings.top_k, eos_ids=settings.eos_ids,
+                              pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
+                              **settings.memory_limits(), **settings.engine_settings(), on_rows_done=scorer)
+      rewards, reward_info = scorer.result()
     info["rollout/sampled_tokens"] += float(out.lengths.sum())
     info["reward/timeouts"] += reward_info.get("timeouts", 0)
     info["reward/crashes"] += reward_info.get("crashes", 0)

@@ -25,6 +25,9 @@ Conventions the trainer relies on:
   time, so the prefill's activations are those of one block and chunk. None of this changes a row's samples: the
   results are those of the unsplit call up to float rounding (the tests hold tokens exactly, float32 log-probs to
   1e-6). The cache and the decode are those of the whole call.
+- `engine="continuous"` hands the call to the rollout engine (`engine.py` on the device, `engine_scheduler.py` on the
+  host): fixed decode slots that rows leave as they stop and queued rows enter, the same row randomness and outputs.
+  The token draw itself (`SampleOutput`, `sample_logits`) lives in `sampling_core.py`, shared by both.
 """
 from __future__ import annotations
 
@@ -41,99 +44,21 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrlvr import engine_scheduler
 from jaxrlvr import multihost
 from jaxrlvr import sampling_batches
 from jaxrlvr.sampling_batches import BATCH_AXES, MEMORY_LIMITS, bucket_length  # noqa: F401  (the public names)
 
+from jaxrlvr.sampling_core import SampleOutput, sample_logits  # noqa: F401  (the public names)
+from jaxrlvr.sampling_core import sample as _sample
+
 TENSOR_AXIS = "tensor"
+ENGINES = ("static", "continuous")  # `generate`'s engine (config rollout.engine)
+# `generate`'s arguments and rollout.* keys of the same names
+ENGINE_SETTINGS = ("engine", "decode_slots", "decode_chunk_steps", "decode_weights")
 
 # Incremented each time a jitted sampler function is traced (compiled): the no-recompilation test reads it.
 TRACE_COUNTS: collections.Counter = collections.Counter()
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleOutput:
-  """What `generate` returns, as host numpy arrays with one row per prompt (padding rows removed).
-
-  tokens [B, N] int32, pad_id after the stop; logprobs [B, N] float32 and entropies [B, N] float32 of the sampled
-  distribution, 0 after the stop; lengths [B] int32 up to and including the first stop token; logits [B, N, V]
-  float32 raw model logits (temperature 1) only when `return_logits=True`, else None.
-  """
-  tokens: np.ndarray
-  logprobs: np.ndarray
-  entropies: np.ndarray
-  lengths: np.ndarray
-  logits: np.ndarray | None = None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Sampling from logits.
-
-
-def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Draws one token from each row of `logits` [..., V] (one key for all rows).
-
-  The order is the one transformers uses: temperature, then top-k, then top-p (nucleus: the smallest set of tokens
-  whose probability, after top-k, reaches top_p; the most likely token is always kept; ties at the cut-off are kept).
-  Returns (tokens [...] int32, logprobs [...] f32, entropies [...] f32) of the distribution actually sampled from;
-  temperature 0 is greedy with temperature-1 log-prob and entropy (see the module docstring).
-  """
-  uniform = jax.random.uniform(rng, logits.shape[:-1])
-  return _sample(logits, uniform, temperature, top_p, greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0)
-
-
-def _sample(logits: jax.Array, uniform: jax.Array, temperature: Any, top_p: Any, *, greedy: bool, top_k: int,
-            nucleus: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`sample_logits` given the uniform draw [...] of each row; temperature and top_p may be traced."""
-  logits = logits.astype(jnp.float32)
-  if greedy:
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tokens, _take(logp, tokens), _entropy(logp)
-  scaled = logits / jnp.asarray(temperature, jnp.float32)
-  vocab = scaled.shape[-1]
-  sorted_desc = None  # the kept logits in descending order, when top-k or top-p needs them
-  if 0 < top_k < vocab:
-    sorted_desc, _ = jax.lax.top_k(scaled, top_k)  # [..., k]
-    scaled = jnp.where(scaled < sorted_desc[..., -1:], -jnp.inf, scaled)
-  if nucleus:
-    if sorted_desc is None:
-      sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p  # the first token always has mass_before 0
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-  logp = jax.nn.log_softmax(scaled, axis=-1)  # -inf outside the kept set
-  tokens = _inverse_cdf(jnp.exp(logp), uniform)
-  return tokens, _take(logp, tokens), _entropy(logp)
-
-
-def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
-  """The token whose cumulative-probability interval holds u * total: probs [..., V], u [...] in [0, 1).
-
-  One uniform per row instead of the V Gumbel draws of `jax.random.categorical`: on CPU, generating the random bits
-  cost ~8x the rest of the sampling step at V = 8192. Zero-probability tokens have empty intervals and are never
-  drawn; scaling u by the computed total absorbs the cumsum's rounding.
-  """
-  cdf = jnp.cumsum(probs, axis=-1)  # [..., V]
-  target = u * cdf[..., -1]
-  tokens = jnp.sum(cdf <= target[..., None], axis=-1)  # the first index whose cdf exceeds the target
-  # u * total can round up to total: fall back to the last token that has probability.
-  vocab = probs.shape[-1]
-  last = vocab - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
-  return jnp.minimum(tokens, last).astype(jnp.int32)
-
-
-def _take(logp: jax.Array, tokens: jax.Array) -> jax.Array:
-  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-
-
-def _entropy(logp: jax.Array) -> jax.Array:
-  """-sum p log p, with masked (-inf) entries contributing 0 rather than NaN."""
-  p = jnp.exp(logp)
-  return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -410,7 +335,9 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
              pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, use_cache: bool = True,
              return_logits: bool = False, pad_batch_to: int = 1, max_rows_per_device: int = 0,
-             prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0) -> SampleOutput:
+             prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0, engine: str = "static",
+             decode_slots: int = 0, decode_chunk_steps: int = engine_scheduler.DEFAULT_CHUNK_STEPS,
+             decode_weights: str = "replicated", on_rows_done: Any = None) -> SampleOutput:
   """Samples `max_new_tokens` tokens after each prompt (a list of token-id lists, ragged).
 
   Args:
@@ -435,10 +362,32 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
       activations); 0, or at least the call's rows per device, prefills them all at once.
     prefill_chunk_tokens: > 0 writes each prompt into the cache that many slots at a time (the last chunk overlaps
       the one before when it does not divide the bucket); 0, or at least the bucket, the whole bucket at once.
+    engine: "static" samples as above; "continuous" samples through the rollout engine (`engine_scheduler.py`):
+      rows leave their decode slot when they stop and queued rows take it, with the same row randomness. One
+      process only, with the cache; its slots per batch shard are `decode_slots`, else max_rows_per_device, else
+      one per row; `decode_chunk_steps` decode steps run between two looks at which rows are done;
+      `decode_weights` "replicated" copies the weights out of their fsdp split once per call (the static sampler
+      ignores the three).
+    on_rows_done: if given, on_rows_done(rows, tokens, lengths) is called for every row once it is done: by the
+      engine as rows finish, while it decodes on (reward scoring can overlap decoding); by the static sampler once,
+      for all rows, at the end.
   Returns:
     SampleOutput of host numpy arrays with B rows.
   """
   limits = dict(zip(MEMORY_LIMITS, (max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens)))
+  if engine not in ENGINES:
+    raise ValueError(f"sampling.py: engine={engine!r} is not one of {ENGINES}")
+  if engine == "continuous":
+    if not use_cache or return_logits:
+      raise ValueError("sampling.py: engine='continuous' samples with the cache and returns no logits; use "
+                       "engine='static' for use_cache=False or return_logits=True")
+    sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
+    return engine_scheduler.generate(
+        model, prompts, max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, top_k=top_k,
+        eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, decode_slots=decode_slots or max_rows_per_device,
+        chunk_steps=decode_chunk_steps, prefill_rows_per_device=prefill_rows_per_device,
+        prefill_chunk_tokens=prefill_chunk_tokens, pad_batch_to=pad_batch_to, decode_weights=decode_weights,
+        on_rows_done=on_rows_done)
   sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
   calls = sampling_batches.plan_calls(prompts, pad_id=pad_id, vocab_size=vocab, mesh=mesh, pad_batch_to=pad_batch_to,
@@ -475,6 +424,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     pieces.append(jax.device_get(outputs))  # waits for the call, so that at most one cache is alive at a time
   tokens, logprobs, entropies, lengths, logits = (
       None if parts[0] is None else np.concatenate(parts, axis=0)[:calls.batch] for parts in zip(*pieces))
+  if on_rows_done is not None:
+    on_rows_done(np.arange(calls.batch), tokens, lengths)
   return SampleOutput(tokens=tokens, logprobs=logprobs, entropies=entropies, lengths=lengths, logits=logits)
 
 

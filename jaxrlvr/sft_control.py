@@ -127,7 +127,8 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
       ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
       out = sampling.generate(policy, [p for p in ids for _ in range(n)], max_new_tokens=completion_len,
                               rng=jax.random.key(config.seed + 1), temperature=temperature, eos_ids=eos_ids,
-                              pad_id=pad_id, mesh=mesh, **train.sampler_limits(config))
+                              pad_id=pad_id, mesh=mesh, **train.sampler_limits(config),
+                              **train.sampler_engine(config))
       return rollout.decode(tokenizer, out.tokens, out.lengths), out.lengths
 
     metrics, samples = evaluate_lib.evaluate_with_samples(

@@ -122,6 +122,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise config_lib.ConfigError(
         f"config.exprl.judge.kind='model' runs on one process only ({num_hosts} here): the judge's sampler calls "
         "differ per host; serve the judge over HTTP (kind='http') for multi-process runs")
+  if num_hosts > 1 and config.rollout.engine == "continuous":
+    raise config_lib.ConfigError(f"config.rollout.engine='continuous' runs on one process only ({num_hosts} here); "
+                                 "use rollout.engine='static' for multi-process runs")
   os.makedirs(workdir, exist_ok=True)
 
   # ------------------------------------------------------------------------------------------------ Checkpoints
@@ -162,7 +165,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   sampler = rollout.SamplerSettings(
       max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
       top_p=config.rollout.top_p, top_k=config.rollout.top_k, eos_ids=tuple(data_lib.stop_token_ids(tokenizer)),
-      pad_id=tokenizer.pad_token_id, **sampler_limits(config))
+      pad_id=tokenizer.pad_token_id, **sampler_limits(config), **sampler_engine(config))
   prompt_len = sampling.bucket_length(config.data.max_prompt_len)
   completion_len = config.rollout.max_new_tokens
   rows = batch_rows(config, batch_shards, num_hosts)
@@ -222,7 +225,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       mine = prompt_rows[start:stop] or prompt_rows[:1]  # a host without rows still joins the sampler call
       out = sampling.generate(eval_model, mine, max_new_tokens=completion_len,
                               rng=jax.random.key(config.seed + 1), temperature=temperature,
-                              eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh, **sampler.memory_limits())
+                              eos_ids=sampler.eos_ids, pad_id=sampler.pad_id, mesh=mesh, **sampler.memory_limits(),
+                              **sampler.engine_settings())
       tokens = multihost.gather_rows(out.tokens[:stop - start], len(prompt_rows))  # [N * n, T]
       lengths = multihost.gather_rows(out.lengths[:stop - start], len(prompt_rows))  # [N * n]
       return rollout.decode(tokenizer, tokens, lengths), lengths
@@ -389,7 +393,7 @@ def _build_judge(config, policy_model, tokenizer, mesh):
       graphdef, params = nnx.split(policy_model)
       model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
     return judge_lib.judge_from_config(judge_config, model=model, tokenizer=tokenizer, mesh=mesh,
-                                       sampler_limits=sampler_limits(config))
+                                       sampler_limits={**sampler_limits(config), **sampler_engine(config)})
   return judge_lib.judge_from_config(judge_config)
 
 
@@ -397,6 +401,12 @@ def sampler_limits(config) -> dict[str, int]:
   """The rollout.* memory bounds of every sampler call (rollouts, evaluation, the model judge), as keyword
   arguments of `sampling.generate`."""
   return {name: int(config.rollout[name]) for name in sampling.MEMORY_LIMITS}
+
+
+def sampler_engine(config) -> dict:
+  """How every sampler call decodes (config rollout.engine, decode_slots, decode_chunk_steps, decode_weights), as
+  keyword arguments of `sampling.generate`."""
+  return {name: config.rollout[name] for name in sampling.ENGINE_SETTINGS}
 
 
 def _join_sampler_calls(policy_at, requests, book: rollout.PromptBook, settings: rollout.SamplerSettings, *, rng,
@@ -412,7 +422,8 @@ def _join_sampler_calls(policy_at, requests, book: rollout.PromptBook, settings:
     sampling.generate(policy_at(delay), [book.prompt_ids(requests[0].qid)], max_new_tokens=settings.max_new_tokens,
                       rng=jax.random.fold_in(rng, delay), temperature=settings.temperature, top_p=settings.top_p,
                       top_k=settings.top_k, eos_ids=settings.eos_ids, pad_id=settings.pad_id, mesh=mesh,
-                      pad_batch_to=pad_batch_to, **settings.memory_limits())  # the same calls as the other hosts
+                      pad_batch_to=pad_batch_to, **settings.memory_limits(),
+                      **settings.engine_settings())  # the same calls as the other hosts
 
 
 def _log_host_row(step: int, row: dict, num_hosts: int) -> None:

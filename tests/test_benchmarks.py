@@ -19,12 +19,12 @@ def test_sampler_benchmark_runs_on_two_cpu_devices():
   assert "jaxrlvr on 2 CPU device(s)" in result.stdout, result.stdout
   row = next(line for line in result.stdout.splitlines() if line.startswith("tiny "))
   # model, params, prompts, transformers, threads, ours, ratio, ours on 1 device, ratio, no cache, cache gain,
-  # greedy==HF
+  # engine, ratio, greedy==HF
   fields = row.split()
-  assert len(fields) == 12, row
+  assert len(fields) == 14, row
   assert fields[2] == "4x8", row
   assert fields[-1] == "True", f"greedy tokens differ from transformers: {row}"
-  assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[6], fields[8], fields[10])), row
+  assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[6], fields[8], fields[10], fields[12])), row
   assert "GPU section skipped" in result.stdout
 
 

@@ -230,14 +230,16 @@ class ModelJudge(Judge):
   is not truncated -- cutting the reference or the answer would change what is judged -- it fails with `error`.
   With a sharded judge model pass its `mesh`; `batch_size` should then be a multiple of the mesh's batch shards.
   max_rows_per_device, prefill_rows_per_device and prefill_chunk_tokens bound the sampler's memory as in
-  `sampling.generate` (0: off; config rollout.*); they reach `generate_fn` only when set.
+  `sampling.generate` (0: off; config rollout.*); they reach `generate_fn` only when set. So do engine,
+  decode_slots, decode_chunk_steps and decode_weights (config rollout.*), when engine is not "static".
   """
 
   def __init__(self, model, tokenizer, *, max_new_tokens: int = 512, batch_size: int = 8,
                eos_ids: Sequence[int] | None = None, pad_id: int | None = None,
                max_prompt_tokens: int | None = None, seed: int = 0, mesh: Any = None,
                generate_fn: Callable[..., Any] | None = None, max_rows_per_device: int = 0,
-               prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0):
+               prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0, engine: str = "static",
+               decode_slots: int = 0, decode_chunk_steps: int = 16, decode_weights: str = "replicated"):
     if max_new_tokens < 1:
       raise ValueError(f"ModelJudge: max_new_tokens={max_new_tokens} must be >= 1")
     if batch_size < 1:
@@ -266,6 +268,11 @@ class ModelJudge(Judge):
       if value < 0:
         raise ValueError(f"ModelJudge: {name}={value} must be >= 0 (0: no limit)")
     self._sampler_kwargs.update({name: int(value) for name, value in limits.items() if value})
+    if engine not in ("static", "continuous"):
+      raise ValueError(f"ModelJudge: engine={engine!r} must be 'static' or 'continuous'")
+    if engine != "static":
+      self._sampler_kwargs.update(engine=engine, decode_slots=int(decode_slots),
+                                  decode_chunk_steps=int(decode_chunk_steps), decode_weights=decode_weights)
     self._generate = generate_fn
 
   def prompt_ids(self, request: JudgeRequest) -> list[int]:
@@ -308,7 +315,8 @@ def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None, sampler_lim
   environment variable holding the key, so keys never sit in configs or checkpoints).
   model: the caller loads the judge model and tokenizer (e.g. `models.load_pretrained(cfg.path)`) and passes them;
   max_new_tokens, batch_size, max_prompt_tokens (0: no limit); `sampler_limits` (the config's rollout.*
-  max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens) bound its sampler's memory.
+  max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens, and engine, decode_slots,
+  decode_chunk_steps, decode_weights) bound its sampler's memory and choose how it decodes.
   """
   import os  # pylint: disable=g-import-not-at-top
 

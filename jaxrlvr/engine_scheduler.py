@@ -1,0 +1,289 @@
+"""The rollout engine, host side: a queue of rows, the slots they occupy, and the loop of insert / decode / harvest.
+
+`generate` samples like `jaxrlvr.sampling.generate` (same arguments, same `SampleOutput`, same row randomness) but
+through the engine of `engine.py`:
+
+  queue of rows (prompt, row key) in the order given
+  loop:
+    insert: take rows from the front of the queue into free slots; identical prompts among them are prefilled once
+      (GRPO's K samples of a question), in calls of U distinct prompts at most (`prefill_rows_per_device` per batch
+      shard, else an eighth of the slots, or the first fill's distinct prompts) padded to the bucket of the longest
+      prompt: two insert shapes a call at most;
+    compact: once the queue is empty, the live rows move to a smaller batch as soon as they fit one of
+      `compaction_sizes` (steps of 3/4 and 2/3, down to `MIN_SLOTS_PER_DEVICE` per batch shard), each shard keeping
+      its own rows: the tail of a run decodes fewer rows;
+    decode a chunk of up to `chunk_steps` steps; it stops early once enough slots are done for the queued rows;
+    harvest: copy the rows that are done to the outputs, and free their slots.
+
+Slots are handed out round-robin over the batch shards (slot s lives on shard s // (S / shards)), so the shards
+hold about the same number of live rows.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrlvr import engine
+from jaxrlvr import sampling_batches
+from jaxrlvr.sampling_batches import bucket_length
+from jaxrlvr.sampling_core import SampleOutput
+
+MIN_SLOTS_PER_DEVICE = 4  # compaction stops here: below it a decode step costs about the same whatever the rows
+DEFAULT_CHUNK_STEPS = 16
+DECODE_WEIGHTS = ("replicated", "training")  # the parameters' layout in the decode loop (config rollout.decode_weights)
+
+
+def _slot_order(num_slots: int, shards: int) -> list[int]:
+  """Slots in the order they are handed out: the first free slot of every shard, then the second, ..."""
+  per_shard = num_slots // shards
+  return sorted(range(num_slots), key=lambda s: (s % per_shard, s // per_shard))
+
+
+def _check(prompts: Sequence[Sequence[int]], vocab_size: int | None, decode_slots: int, chunk_steps: int) -> None:
+  if not prompts:
+    raise ValueError("engine_scheduler.py: generate got an empty list of prompts")
+  for row, prompt in enumerate(prompts):
+    if len(prompt) == 0:
+      raise ValueError(f"engine_scheduler.py: prompt {row} is empty; every prompt needs at least one token")
+    if vocab_size is not None and (max(prompt) >= vocab_size or min(prompt) < 0):
+      raise ValueError(f"engine_scheduler.py: prompt {row} has token ids outside [0, vocab_size={vocab_size})")
+  for name, value in (("decode_slots", decode_slots), ("decode_chunk_steps", chunk_steps)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f"engine_scheduler.py: {name}={value!r} must be an integer >= 0")
+  if chunk_steps < 1:
+    raise ValueError(f"engine_scheduler.py: decode_chunk_steps={chunk_steps} must be >= 1")
+  if jax.process_count() > 1:
+    raise ValueError("engine_scheduler.py: the rollout engine runs in one process; with several processes set "
+                     "rollout.engine='static'")
+
+
+def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, rng: Any,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
+             pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, decode_slots: int = 0,
+             chunk_steps: int = DEFAULT_CHUNK_STEPS, prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0,
+             pad_batch_to: int = 1, row_keys: Sequence[int] | None = None, decode_weights: str = "replicated",
+             stats: dict | None = None,
+             on_rows_done: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> SampleOutput:
+  """Samples `max_new_tokens` tokens after each prompt through the engine; see `jaxrlvr.sampling.generate` for the
+  arguments they share and the outputs.
+
+  Args (the engine's own):
+    decode_slots: decode slots per batch shard; 0 gives every row a slot (the rows rounded up to the batch shards
+      and `pad_batch_to`, as the static sampler pads its batch). With fewer slots than rows, rows queue.
+    chunk_steps: decode steps between two looks at which rows are done.
+    prefill_rows_per_device: at most this many distinct prompts per batch shard in one prefill (0: the slots').
+    decode_weights: "replicated" (on a mesh) copies the parameters once into `engine.decode_layout` (replicated
+      over the batch axes, in the compute dtype) so that the decode loop gathers no weight; "training" decodes
+      from the parameters as they are.
+    row_keys: the index folded into `rng` for each row's draws (default: its index in `prompts`); a row keeps its
+      samples under any order of the prompts when its key goes with it.
+    stats: if given, filled with the run's counters: row_steps (every slot of every decode step run, and the first
+      token of each row), useful_row_steps (the tokens sampled), decode_steps, kv_slot_steps (cache slots the
+      decode attention read, summed over slots and steps; estimated at the end of each chunk), chunks, inserts
+      and compactions.
+    on_rows_done: if given, called as rows finish, on_rows_done(rows [R], tokens [R, N], lengths [R]) (rows: their
+      indices in `prompts`), each row once, while the device decodes the next chunk: reward scoring can overlap
+      decoding. The rows of the last chunk come after it, before `generate` returns.
+  """
+  limits = {"max_rows_per_device": 0, "prefill_rows_per_device": prefill_rows_per_device,
+            "prefill_chunk_tokens": prefill_chunk_tokens}
+  sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
+  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+  _check(prompts, vocab, decode_slots, chunk_steps)
+  rows, n = len(prompts), int(max_new_tokens)
+  keys = np.arange(rows, dtype=np.int32) if row_keys is None else np.asarray(row_keys, np.int32)
+  if keys.shape != (rows,):
+    raise ValueError(f"engine_scheduler.py: row_keys has {keys.size} entries for {rows} prompts")
+  shards = sampling_batches.batch_shards(mesh)
+  multiple = int(np.lcm(int(pad_batch_to), shards))
+  padded_rows = -(-rows // multiple) * multiple
+  num_slots = padded_rows if decode_slots == 0 else min(decode_slots * shards, padded_rows)
+  # Distinct prompts a refill prefills at once (refills are a few rows: an eighth of the slots); the first fill of
+  # the empty slots may take more (`_Run.insert`), unless prefill_rows_per_device bounds them.
+  if prefill_rows_per_device:
+    unique_cap = min(prefill_rows_per_device * shards, num_slots)
+  else:
+    unique_cap = max(shards, -(-(num_slots // 8) // shards) * shards)
+  bucket = bucket_length(max(map(len, prompts)))  # every insert's prompt width: one compiled insert per call
+
+  if isinstance(rng, int):
+    rng = jax.random.key(rng)
+  elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a legacy uint32 key (jax.random.PRNGKey)
+    rng = jax.random.wrap_key_data(rng)
+  if decode_weights not in DECODE_WEIGHTS:
+    raise ValueError(f"engine_scheduler.py: decode_weights={decode_weights!r} is not one of {DECODE_WEIGHTS}")
+  graphdef, params = nnx.split(model)
+  if mesh is not None and decode_weights == "replicated":
+    params = engine.decode_layout(params, mesh, model.config.compute_dtype)
+  spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=n, capacity=bucket + n,
+                           greedy=temperature == 0, top_k=int(top_k), nucleus=top_p < 1.0, chunk_steps=int(chunk_steps),
+                           mesh=mesh, prefill_tokens=int(prefill_chunk_tokens),
+                           segment_sizes=(engine.FIRST_SEGMENT, engine.MAX_SEGMENT))
+  fns = engine.compiled(spec)
+  replicate = (lambda x: x) if mesh is None else (lambda x: jax.device_put(x, NamedSharding(mesh, P())))  # scalars
+  controls = engine.Controls(rng=replicate(rng), stop_ids=replicate(sampling_batches.stop_array(eos_ids)),
+                             pad_id=replicate(np.asarray(pad_id, np.int32)),
+                             temperature=replicate(np.asarray(temperature, np.float32)),
+                             top_p=replicate(np.asarray(top_p, np.float32)))
+  state = fns.init(params, num_slots, controls)
+
+  run = _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
+             bucket=bucket, max_new_tokens=n, segments=spec.segments, bounded=bool(prefill_rows_per_device))
+  run.on_rows_done = on_rows_done
+  run.until_done()
+  if stats is not None:
+    stats.update(run.counters, useful_row_steps=int(run.lengths.sum()))
+  return SampleOutput(tokens=run.tokens, logprobs=run.logprobs, entropies=run.entropies, lengths=run.lengths)
+
+
+class _Run:
+  """One `generate` call's host state: the queue, which row each slot holds, the outputs, and the loop."""
+
+  def __init__(self, fns: engine.Compiled, params: Any, state: engine.EngineState, prompts: Sequence[Sequence[int]],
+               keys: np.ndarray, *, pad_id: int, mesh: Any, shards: int, unique_cap: int, bucket: int,
+               max_new_tokens: int, segments: tuple, bounded: bool):
+    self.fns, self.params, self.state = fns, params, state
+    self.prompts, self.keys, self.pad_id = prompts, keys, pad_id
+    self.mesh, self.shards, self.unique_cap, self.bucket, self.segments = mesh, shards, unique_cap, bucket, segments
+    self.bounded = bounded  # prefill_rows_per_device caps every insert at unique_cap
+    rows, n = len(prompts), max_new_tokens
+    self.tokens = np.full((rows, n), pad_id, np.int32)
+    self.logprobs = np.zeros((rows, n), np.float32)
+    self.entropies = np.zeros((rows, n), np.float32)
+    self.lengths = np.zeros((rows,), np.int32)
+    self.queue = collections.deque(range(rows))
+    self.occupant = [-1] * state.slots.done.shape[0]  # the row each slot holds, -1 when free
+    self.counters = collections.Counter()
+    self.sizes = compaction_sizes(len(self.occupant), shards)
+    self.on_rows_done: Callable | None = None
+    self.pending: list[int] = []  # rows harvested but not yet handed to on_rows_done
+
+  def _replicated(self, x: np.ndarray) -> Any:
+    return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P()))
+
+  def _by_shard(self, x: np.ndarray) -> Any:
+    return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P(sampling_batches.BATCH_AXES)))
+
+  def until_done(self) -> None:
+    while self.queue or any(o >= 0 for o in self.occupant):
+      self.insert()
+      if not self.queue:
+        self.compact()
+      self.decode_and_harvest()
+    self.hand_over()
+
+  def hand_over(self) -> None:
+    """The rows harvested since the last call, to `on_rows_done`."""
+    if self.on_rows_done is not None and self.pending:
+      rows = np.asarray(self.pending, np.int64)
+      self.pending = []
+      self.on_rows_done(rows, self.tokens[rows], self.lengths[rows])
+
+  def insert(self) -> None:
+    """Fills free slots from the front of the queue, one insert call per `cap` distinct prompts: `unique_cap`, or
+    for the first fill of empty slots all its distinct prompts at once (padded to a power of two): one prefill of
+    64 prompts cost a third of eight prefills of 8 on the 12M model of benchmarks/sampler.py."""
+    occupant, size = self.occupant, len(self.occupant)
+    free = [s for s in _slot_order(size, self.shards) if occupant[s] < 0]
+    cap = self.unique_cap
+    if len(free) == size and not self.bounded:
+      first = len({tuple(self.prompts[r]) for r in itertools.islice(self.queue, size)})
+      cap = min(size, max(cap, -(-(1 << max(first - 1, 0).bit_length()) // self.shards) * self.shards))
+    while self.queue and free:
+      distinct: dict[tuple, int] = {}
+      entries = []  # (row, slot, index of its prompt among the distinct ones)
+      while self.queue and free:
+        prompt = tuple(self.prompts[self.queue[0]])
+        if prompt not in distinct:
+          if len(distinct) == cap:
+            break
+          distinct[prompt] = len(distinct)
+        entries.append((self.queue.popleft(), free.pop(0), distinct[prompt]))
+      ids = np.full((cap, self.bucket), self.pad_id, np.int32)  # right-padded
+      prompt_lengths = np.ones((cap,), np.int32)
+      for prompt, i in distinct.items():
+        ids[i, :len(prompt)] = prompt
+        prompt_lengths[i] = len(prompt)
+      # Entry m: prompt source[m] into slot dest[m]; unused entries have dest = S, out of range (dropped).
+      source, dest, entry_keys = np.zeros(size, np.int32), np.full(size, size, np.int32), np.zeros(size, np.int32)
+      for m, (row, slot, i) in enumerate(entries):
+        source[m], dest[m], entry_keys[m] = i, slot, self.keys[row]
+        occupant[slot] = row
+      # The prompts split over the shards (each prefills its part; replicated, every device prefilled all of them,
+      # 1.7x the insert's time on two CPU devices), the entries replicated.
+      self.state = self.fns.insert(self.params, self.state, self._by_shard(ids), self._by_shard(prompt_lengths),
+                                   *map(self._replicated, (source, dest, entry_keys)))
+      self.counters["inserts"] += 1
+      self.counters["row_steps"] += len(entries)  # each entering row samples its first token
+
+  def compact(self) -> None:
+    """With the queue empty: moves the live rows to a smaller batch (`compaction_sizes`) once they fit in it. Each
+    batch shard keeps its own rows (no row moves between devices), so the new size must hold the fullest shard's."""
+    old, shards = len(self.occupant), self.shards
+    per_old = old // shards
+    live = [[s for s in range(d * per_old, (d + 1) * per_old) if self.occupant[s] >= 0] for d in range(shards)]
+    fullest = max(len(rows) for rows in live)
+    size = min((n for n in self.sizes if n >= fullest * shards), default=old)
+    if size >= old:
+      return
+    per_new = size // shards
+    keep = np.zeros((shards, per_new), np.int32)  # shard d's new slot j is its old local slot keep[d, j]
+    for d in range(shards):
+      spare = [s for s in range(d * per_old, (d + 1) * per_old) if self.occupant[s] < 0]
+      keep[d] = np.asarray(live[d] + spare[:per_new - len(live[d])]) - d * per_old
+    self.state = self.fns.compact(self.state, self._replicated(keep))
+    self.occupant = [self.occupant[d * per_old + int(keep[d, j])] for d in range(shards) for j in range(per_new)]
+    self.counters["compactions"] += 1
+
+  def decode_and_harvest(self) -> None:
+    """One decode chunk; then the rows that are done go to the outputs and their slots are freed."""
+    occupant, size = self.occupant, len(self.occupant)
+    free_now = sum(o < 0 for o in occupant)
+    # With rows queued, stop the chunk once enough slots are done to be worth an insert.
+    exit_when_done = free_now + max(1, min(len(self.queue), size // 8)) if self.queue else size + 1
+    self.state, steps = self.fns.decode_chunk(self.params, self.state, np.asarray(exit_when_done, np.int32))
+    self.hand_over()  # the device decodes the chunk (dispatch is asynchronous) while the host handles these rows
+    done, step, steps = jax.device_get((self.state.slots.done, self.state.slots.step, steps))
+    steps = int(steps)
+    self.counters["row_steps"] += steps * size
+    self.counters["decode_steps"] += steps
+    self.counters["chunks"] += 1
+    # The cache slots the chunk's attention read, about: every slot of the segments up to the furthest live row.
+    reach = max([len(self.prompts[occupant[s]]) + int(step[s]) - 1 for s in range(size) if occupant[s] >= 0] or [0])
+    visited = next(start + length for start, length in self.segments if reach < start + length)
+    self.counters["kv_slot_steps"] += steps * size * visited
+    finished = [s for s in range(size) if occupant[s] >= 0 and done[s]]
+    if not finished:
+      if steps == 0:
+        raise RuntimeError("engine_scheduler.py: a decode chunk made no progress")  # a scheduler bug, never expected
+      return
+    slot_tokens, slot_logprobs, slot_entropies = jax.device_get(
+        (self.state.slots.tokens, self.state.slots.logprobs, self.state.slots.entropies))
+    for s in finished:
+      row = occupant[s]
+      self.tokens[row], self.logprobs[row], self.entropies[row] = slot_tokens[s], slot_logprobs[s], slot_entropies[s]
+      self.lengths[row] = step[s]
+      occupant[s] = -1
+      self.pending.append(row)
+
+
+def compaction_sizes(num_slots: int, shards: int) -> list[int]:
+  """The batch sizes compaction may go down to: S 3/4, S/2, S 3/8, S/4, ... (steps of 3/4 and 2/3), multiples of
+  the batch shards, down to MIN_SLOTS_PER_DEVICE per shard. Halving alone left 72% of the row-steps useful on the
+  long-tail workload; these finer steps compile a few more decode shapes (one per size reached)."""
+  sizes, size = [], num_slots
+  floor = MIN_SLOTS_PER_DEVICE * shards
+  while True:
+    size = size * 3 // 4 if size & (size - 1) == 0 else size * 2 // 3  # 2^k -> 3 2^(k-2) -> 2^(k-1) -> ...
+    size -= size % shards
+    if size < floor or size <= 0 or (sizes and size >= sizes[-1]):
+      return sizes
+    sizes.append(size)

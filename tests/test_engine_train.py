@@ -1,0 +1,147 @@
+"""The rollout engine inside a run: config keys reach every sampler call, and RL steps compile nothing new."""
+import os
+import types
+
+import pytest
+from flax import nnx
+
+from configs import grpo
+from jaxrlvr import config_lib
+from jaxrlvr import engine
+from jaxrlvr import engine_scheduler
+from jaxrlvr import sampling
+from jaxrlvr import train
+from jaxrlvr.models import ModelConfig, Transformer
+from jaxrlvr.rewards import judge as judge_lib
+
+
+def test_three_rl_steps_of_the_embedded_default_compile_once(tmp_path, monkeypatch):
+  """The embedded default (GRPO, the tiny model, 16 x 8 rows) with rollout.engine='continuous': each step's rollout
+  goes through the engine, and the second and third steps' rollouts trace no engine function."""
+  calls = []
+  real = engine_scheduler.generate
+
+  def spy(model, prompts, **kwargs):
+    before = sum(engine.TRACE_COUNTS.values())
+    out = real(model, prompts, **kwargs)
+    calls.append(dict(rows=len(prompts), temperature=kwargs["temperature"],
+                      traced=sum(engine.TRACE_COUNTS.values()) - before))
+    return out
+
+  monkeypatch.setattr(engine_scheduler, "generate", spy)
+  config = grpo.get_config()
+  with config.unlocked():
+    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
+    config.total_steps = 3
+    config.eval_every = 100  # evaluation at the start and the end only, of 16 questions
+    config.data.eval_size = 16
+    config.rollout.engine = "continuous"
+  train.run(config, str(tmp_path / "run"))
+  rollouts = [c for c in calls if c["temperature"] == config.rollout.temperature and c["rows"] == 128]
+  assert len(rollouts) == 3, calls
+  assert [c["traced"] for c in rollouts[1:]] == [0, 0], calls
+
+
+def test_config_keys_reach_the_rollout_sampler_and_the_judge(monkeypatch):
+  config = grpo.get_config("smoke")
+  with config.unlocked():
+    config.rollout.engine = "continuous"
+    config.rollout.decode_slots = 3
+    config.rollout.decode_chunk_steps = 5
+    config.rollout.decode_weights = "training"
+  expected = {"engine": "continuous", "decode_slots": 3, "decode_chunk_steps": 5, "decode_weights": "training"}
+  assert train.sampler_engine(config) == expected
+  calls = []
+  real = sampling.generate
+
+  def spy(model, prompts, **kwargs):
+    calls.append({k: kwargs.get(k) for k in sampling.ENGINE_SETTINGS})
+    return real(model, prompts, **kwargs)
+
+  monkeypatch.setattr(sampling, "generate", spy)  # before the judge binds sampling.generate
+  tokenizer = types.SimpleNamespace(eos_token_id=1, pad_token_id=0, encode=lambda text, **_: types.SimpleNamespace(
+      ids=[2 + ord(c) % 60 for c in text[:20]]), decode=lambda ids, **_: "score: 3")
+  cfg = types.SimpleNamespace(kind="model", max_new_tokens=3, batch_size=2, get=lambda key, default: default)
+  tiny = Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                 num_kv_heads=1, head_dim=16), rngs=nnx.Rngs(1))
+  judge = judge_lib.judge_from_config(cfg, model=tiny, tokenizer=tokenizer,
+                                      sampler_limits={**train.sampler_limits(config), **train.sampler_engine(config)})
+  results = judge.score([judge_lib.JudgeRequest("q", "r", "a")])
+  assert calls == [expected]
+  assert len(results) == 1 and results[0].text == "score: 3"
+  with pytest.raises(ValueError, match="engine='paged'"):
+    judge_lib.ModelJudge(tiny, tokenizer, engine="paged", generate_fn=sampling.generate)
+
+
+@pytest.mark.parametrize("key,value,words", [("engine", "paged", "'static' or 'continuous'"),
+                                             ("decode_slots", -1, ">= 0"), ("decode_chunk_steps", 0, ">= 1"),
+                                             ("decode_weights", "sharded", "'replicated' or 'training'")])
+def test_bad_engine_keys_name_themselves(key, value, words):
+  config = grpo.get_config("smoke")
+  with config.unlocked():
+    config.rollout[key] = value
+  with pytest.raises(config_lib.ConfigError, match=f"rollout.{key}") as error:
+    config_lib.validate(config, num_devices=8)
+  assert words in str(error.value)
+
+
+def test_engine_settings_may_change_when_a_run_resumes():
+  from jaxrlvr import checkpointing
+
+  saved = grpo.get_config("smoke").to_dict()
+  current = grpo.get_config("smoke")
+  with current.unlocked():
+    current.rollout.engine = "continuous"
+    current.rollout.decode_slots = 8
+    current.rollout.decode_chunk_steps = 4
+    current.rollout.decode_weights = "training"
+  assert checkpointing.incompatible_changes(saved, current.to_dict()) == []
+
+
+def test_rewards_are_scored_while_the_engine_decodes():
+  """sample_groups hands the engine's finished rows to the reward pool as they leave: the pool sees several batches,
+  the first before the sampler returns, and every row's reward lands on its own rollout."""
+  import threading
+  import time
+
+  import jax
+  import numpy as np
+
+  from jaxrlvr import replay
+  from jaxrlvr import rollout
+
+  model = Transformer(ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, initializer_range=0.3),
+                      rngs=nnx.Rngs(0))
+  prompts = {qid: [3 + qid, 14, 15, 9][:1 + qid % 4] for qid in range(6)}
+  book = types.SimpleNamespace(prompt_ids=prompts.__getitem__, answer=lambda qid: str(qid),
+                               tokenizer=types.SimpleNamespace(batch_decode=lambda rows, **_: [
+                                   " ".join(map(str, row)) for row in rows]))
+  batches = []
+
+  def score(completions, answers):  # the reward: the answer's length, so that a misplaced reward shows
+    batches.append((time.monotonic(), threading.current_thread().name, len(completions)))
+    return np.asarray([len(c) for c in completions], np.float32), {"timeouts": 0}
+
+  returned = []
+  real = engine_scheduler.generate
+
+  def timed(*args, **kwargs):
+    out = real(*args, **kwargs)
+    returned.append(time.monotonic())
+    return out
+
+  settings = rollout.SamplerSettings(max_new_tokens=40, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(5, 11, 17),
+                                     pad_id=0, engine="continuous", decode_slots=8, decode_chunk_steps=4)
+  requests = [replay.Request(qid=qid, n_samples=4) for qid in range(6)]
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(engine_scheduler, "generate", timed)
+    groups, _ = rollout.sample_groups(lambda delay: model, requests, book, types.SimpleNamespace(score=score),
+                                      settings, step=0, rng=jax.random.key(3))
+  assert len(batches) > 2, batches
+  assert batches[0][0] < returned[0], "no row was scored before the sampler returned"
+  assert all(name.startswith("rewards") for _, name, _ in batches)
+  assert sum(n for _, _, n in batches) == 24
+  for group in groups:
+    for r in group.rollouts:
+      assert r.reward == len(" ".join(map(str, r.tokens.tolist()))), (group.qid, r.tokens, r.reward)
