@@ -219,39 +219,57 @@ def _prefill(spec: EngineSpec, params: Any, ids: jax.Array, prompt_lengths: jax.
 
 def _insert(spec: EngineSpec, params: Any, state: EngineState, ids: jax.Array, prompt_lengths: jax.Array,
             source: jax.Array, dest: jax.Array, row_keys: jax.Array) -> EngineState:
-  """Prefills U prompts and puts them into slots: entry m copies prompt source[m] into slot dest[m] for row key
-  row_keys[m] and samples the row's first token. Entries with dest[m] = S (out of range) are padding and dropped,
-  so that one compiled insert serves any number of rows up to S."""
+  """Prefills prompts and puts them into slots, each batch shard on its own: ids [shards * U, Lb] (shard d's U
+  prompts in its part, right-padded, lengths [shards * U]); entry m of shard d copies its prompt source[d, m] into
+  its slot dest[d, m] (an index among its S / shards slots) for row key row_keys[d, m] and samples the row's first
+  token. Entries with dest[d, m] = S / shards (out of range) are padding and dropped, so that one compiled insert
+  serves any number of rows.
+
+  Nothing crosses devices: indexing the whole batch with replicated entries instead made the partitioner keep
+  copies of every slot's cache (6.45 GB of temporaries a layer at 7B on fsdp=8); per shard, as `_compact` does,
+  the insert holds one prompt cache beside the slots'.
+  """
   TRACE_COUNTS["insert"] += 1
   model = nnx.merge(spec.graphdef, params)
   slots, ctl = state.slots, state.controls
-  n = spec.max_new_tokens
+  n, shards = spec.max_new_tokens, source.shape[0]
+  by_shard = lambda x, tensor_dim=None: _constrain(spec.mesh, x.reshape(shards, -1, *x.shape[1:]), tensor_dim)
+  flat = lambda x: _constrain(spec.mesh, x.reshape(-1, *x.shape[2:]))  # [shards, n, ...] -> [shards * n, ...]
+  per_shard = jax.vmap(lambda rows, index: rows[index])  # [shards, U, ...], [shards, M] -> [shards, M, ...]
   cache, last = _prefill(spec, params, ids, prompt_lengths)
-  logits = model.logits(last)[source]  # [M, V]
+  logits = flat(per_shard(by_shard(model.logits(last)), source))  # [shards * M, V]
   draw = lambda row: jax.random.uniform(jax.random.fold_in(ctl.rng, row), (n,))
-  uniforms = jax.vmap(draw)(row_keys)  # [M, N]
+  uniforms = _constrain(spec.mesh, jax.vmap(draw)(row_keys.reshape(-1)))  # [shards * M, N]
   tok, logp, ent = sample(logits, uniforms[:, 0], ctl.temperature, ctl.top_p, greedy=spec.greedy, top_k=spec.top_k,
-                          nucleus=spec.nucleus)  # [M] each
+                          nucleus=spec.nucleus)  # [shards * M] each
   stop = jnp.any(tok[:, None] == ctl.stop_ids[None, :], axis=1) | (n == 1)
-  put = lambda full, part: full.at[dest].set(part.astype(full.dtype), mode="drop")
+
+  def put(full: jax.Array, part: jax.Array) -> jax.Array:
+    """full [S, ...] with shard d's slots dest[d] set to part [shards * M, ...]."""
+    set_rows = jax.vmap(lambda f, d, p: f.at[d].set(p.astype(f.dtype), mode="drop"))
+    return flat(set_rows(by_shard(full), dest, by_shard(part)))  # via [shards, S / shards, ...]
+
   width = ids.shape[1]
 
   def put_prompt(segments: tuple, prompt: jax.Array) -> tuple:
-    """The prompt's keys or values [U, K, Lb, H] into the segments that cover slots [0, Lb)."""
+    """The prompts' keys or values [shards * U, K, Lb, H] into the segments that cover slots [0, Lb)."""
+    prompt = per_shard(by_shard(prompt, tensor_dim=2), source)  # [shards, M, K, Lb, H]
     out = []
     for (start, size), segment in zip(spec.segments, segments):
       if start < width:
         used = min(size, width - start)
-        part = prompt[source][:, :, start:start + used]  # [M, K, used, H]
-        segment = segment.at[dest, :, :used].set(part.astype(segment.dtype), mode="drop")
+        set_rows = jax.vmap(lambda f, d, p, used=used: f.at[d, :, :used].set(p.astype(f.dtype), mode="drop"))
+        updated = set_rows(by_shard(segment, tensor_dim=2), dest, prompt[:, :, :, start:start + used])
+        segment = _constrain(spec.mesh, updated.reshape(segment.shape), tensor_dim=1)
       out.append(segment)
     return tuple(out)
 
   new_cache = [{kind: put_prompt(slots.cache[i][kind], layer[kind]) for kind in ("k", "v")}
                for i, layer in enumerate(cache)]
-  first = lambda x, fill: jnp.full((x.shape[0], n), fill, x.dtype).at[:, 0].set(x)  # [M, N]
+  first = lambda x, fill: jnp.full((x.shape[0], n), fill, x.dtype).at[:, 0].set(x)  # [shards * M, N]
+  lengths = flat(per_shard(by_shard(prompt_lengths), source))  # [shards * M]
   slots = slots.replace(
-      cache=new_cache, length=put(slots.length, prompt_lengths[source]), last_token=put(slots.last_token, tok),
+      cache=new_cache, length=put(slots.length, lengths), last_token=put(slots.last_token, tok),
       step=put(slots.step, jnp.ones_like(tok)), done=put(slots.done, stop), uniforms=put(slots.uniforms, uniforms),
       tokens=put(slots.tokens, first(tok, ctl.pad_id)), logprobs=put(slots.logprobs, first(logp, 0.0)),
       entropies=put(slots.entropies, first(ent, 0.0)))
@@ -411,11 +429,13 @@ def _compact(spec: EngineSpec, state: EngineState, keep: jax.Array) -> EngineSta
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-  """The jitted functions of one spec; jax.jit compiles one executable per input shape (S, U, Lb)."""
+  """The jitted functions of one spec; jax.jit compiles one executable per input shape (S, U, Lb). `warmed` holds
+  the slot counts whose whole chain of shapes has been compiled (`engine_scheduler._warm_up`)."""
   init: Any
   insert: Any
   decode_chunk: Any
   compact: Any
+  warmed: set = dataclasses.field(default_factory=set)
 
 
 @functools.lru_cache(maxsize=32)

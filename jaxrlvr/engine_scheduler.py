@@ -5,18 +5,19 @@ through the engine of `engine.py`:
 
   queue of rows (prompt, row key) in the order given
   loop:
-    insert: take rows from the front of the queue into free slots; identical prompts among them are prefilled once
-      (GRPO's K samples of a question), in calls of U distinct prompts at most (`prefill_rows_per_device` per batch
-      shard, else an eighth of the slots, or the first fill's distinct prompts) padded to the bucket of the longest
-      prompt: two insert shapes a call at most;
+    insert: take rows from the front of the queue into free slots; each batch shard prefills the prompts entering
+      its own slots, identical ones once (GRPO's K samples of a question), in calls of U distinct prompts a shard at
+      most (`prefill_rows_per_device`, else an eighth of its slots, or what the first fill needs) padded to the
+      bucket of the longest prompt: two insert shapes a call at most;
     compact: once the queue is empty, the live rows move to a smaller batch as soon as they fit one of
       `compaction_sizes` (steps of 3/4 and 2/3, down to `MIN_SLOTS_PER_DEVICE` per batch shard), each shard keeping
       its own rows: the tail of a run decodes fewer rows;
     decode a chunk of up to `chunk_steps` steps; it stops early once enough slots are done for the queued rows;
     harvest: copy the rows that are done to the outputs, and free their slots.
 
-Slots are handed out round-robin over the batch shards (slot s lives on shard s // (S / shards)), so the shards
-hold about the same number of live rows.
+Slot s lives on shard s // (S / shards). The first fill hands the slots out in order, so a question's samples share
+a shard and one prefill; later ones round-robin over the shards, so the shards hold about the same number of live
+rows. Nothing moves between devices: a row's prompt is prefilled on the shard of its slot.
 """
 from __future__ import annotations
 
@@ -133,6 +134,10 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                              pad_id=replicate(np.asarray(pad_id, np.int32)),
                              temperature=replicate(np.asarray(temperature, np.float32)),
                              top_p=replicate(np.asarray(top_p, np.float32)))
+  sizes = compaction_sizes(num_slots, shards)
+  if (num_slots, unique_cap) not in fns.warmed:
+    _warm_up(fns, params, controls, [num_slots, *sizes], shards, unique_cap // shards, bucket, mesh)
+    fns.warmed.add((num_slots, unique_cap))
   state = fns.init(params, num_slots, controls)
 
   run = _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
@@ -142,6 +147,29 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   if stats is not None:
     stats.update(run.counters, useful_row_steps=int(run.lengths.sum()))
   return SampleOutput(tokens=run.tokens, logprobs=run.logprobs, entropies=run.entropies, lengths=run.lengths)
+
+
+def _warm_up(fns: engine.Compiled, params: Any, controls: engine.Controls, sizes: list[int], shards: int,
+             refill_prompts: int, bucket: int, mesh: Any) -> None:
+  """Compiles, before the first real call of these shapes, what a call may reach later: the refill insert and every
+  compaction level's decode chunk and compaction, by running them on empty slots (a chunk with every slot done runs
+  no step; an insert whose entries are all padding writes nothing). A run then compiles nothing after its first
+  call of each kind, whichever compaction levels its rows happen to reach. One empty state is alive at a time."""
+  by_shard = (lambda x: x) if mesh is None else (
+      lambda x: jax.device_put(x, NamedSharding(mesh, P(sampling_batches.BATCH_AXES))))
+  replicated = (lambda x: x) if mesh is None else (lambda x: jax.device_put(x, NamedSharding(mesh, P())))
+  state = fns.init(params, sizes[0], controls)
+  per_shard = sizes[0] // shards
+  padding = np.full((shards, per_shard), per_shard, np.int32)  # every entry out of range: dropped
+  state = fns.insert(params, state, by_shard(np.zeros((shards * refill_prompts, bucket), np.int32)),
+                     by_shard(np.ones((shards * refill_prompts,), np.int32)),
+                     *map(by_shard, (np.zeros_like(padding), padding, np.zeros_like(padding))))
+  for i, size in enumerate(sizes):
+    state, _ = fns.decode_chunk(params, state, np.asarray(size + 1, np.int32))
+    if i + 1 < len(sizes):
+      keep = np.tile(np.arange(sizes[i + 1] // shards, dtype=np.int32), (shards, 1))
+      state = fns.compact(state, replicated(keep))
+  jax.block_until_ready(state)
 
 
 class _Run:
@@ -188,39 +216,55 @@ class _Run:
       self.on_rows_done(rows, self.tokens[rows], self.lengths[rows])
 
   def insert(self) -> None:
-    """Fills free slots from the front of the queue, one insert call per `cap` distinct prompts: `unique_cap`, or
-    for the first fill of empty slots all its distinct prompts at once (padded to a power of two): one prefill of
-    64 prompts cost a third of eight prefills of 8 on the 12M model of benchmarks/sampler.py."""
-    occupant, size = self.occupant, len(self.occupant)
-    free = [s for s in _slot_order(size, self.shards) if occupant[s] < 0]
-    cap = self.unique_cap
-    if len(free) == size and not self.bounded:
-      first = len({tuple(self.prompts[r]) for r in itertools.islice(self.queue, size)})
-      cap = min(size, max(cap, -(-(1 << max(first - 1, 0).bit_length()) // self.shards) * self.shards))
+    """Fills free slots from the front of the queue. Each batch shard prefills the distinct prompts of the rows
+    entering its own slots, at most `cap` a shard per insert call: `unique_cap / shards`, or for the first fill of
+    empty slots as many as its fullest shard needs (padded to a power of two): one prefill of 64 prompts cost a
+    third of eight prefills of 8 on the 12M model of benchmarks/sampler.py.
+
+    The first fill hands out the slots in order, so that consecutive rows (a question's K samples) share a shard and
+    its prefill; refills hand them out round-robin over the shards, which keeps the shards' live rows even."""
+    occupant, size, shards = self.occupant, len(self.occupant), self.shards
+    per_shard = size // shards
+    first_fill = all(o < 0 for o in occupant)
+    free = list(range(size)) if first_fill else [s for s in _slot_order(size, shards) if occupant[s] < 0]
+    cap = self.unique_cap // shards
+    if first_fill and not self.bounded:
+      rows = list(itertools.islice(self.queue, size))
+      needed = max(len({tuple(self.prompts[r]) for r in rows[d * per_shard:(d + 1) * per_shard]})
+                   for d in range(shards))
+      cap = min(per_shard, max(cap, 1 << max(needed - 1, 0).bit_length()))
     while self.queue and free:
-      distinct: dict[tuple, int] = {}
-      entries = []  # (row, slot, index of its prompt among the distinct ones)
+      distinct: list[dict[tuple, int]] = [{} for _ in range(shards)]  # per shard: prompt -> its index there
+      entries = []  # (row, slot)
       while self.queue and free:
-        prompt = tuple(self.prompts[self.queue[0]])
-        if prompt not in distinct:
-          if len(distinct) == cap:
+        prompt, slot = tuple(self.prompts[self.queue[0]]), free[0]
+        mine = distinct[slot // per_shard]
+        if prompt not in mine:
+          if len(mine) == cap:
             break
-          distinct[prompt] = len(distinct)
-        entries.append((self.queue.popleft(), free.pop(0), distinct[prompt]))
-      ids = np.full((cap, self.bucket), self.pad_id, np.int32)  # right-padded
-      prompt_lengths = np.ones((cap,), np.int32)
-      for prompt, i in distinct.items():
-        ids[i, :len(prompt)] = prompt
-        prompt_lengths[i] = len(prompt)
-      # Entry m: prompt source[m] into slot dest[m]; unused entries have dest = S, out of range (dropped).
-      source, dest, entry_keys = np.zeros(size, np.int32), np.full(size, size, np.int32), np.zeros(size, np.int32)
-      for m, (row, slot, i) in enumerate(entries):
-        source[m], dest[m], entry_keys[m] = i, slot, self.keys[row]
+          mine[prompt] = len(mine)
+        entries.append((self.queue.popleft(), free.pop(0)))
+      ids = np.full((shards, cap, self.bucket), self.pad_id, np.int32)  # right-padded
+      prompt_lengths = np.ones((shards, cap), np.int32)
+      for d, mine in enumerate(distinct):
+        for prompt, i in mine.items():
+          ids[d, i, :len(prompt)] = prompt
+          prompt_lengths[d, i] = len(prompt)
+      # Shard d's entry m: its prompt source[d, m] into its slot dest[d, m]; unused entries have dest = S / shards,
+      # out of range (dropped).
+      source = np.zeros((shards, per_shard), np.int32)
+      dest = np.full((shards, per_shard), per_shard, np.int32)
+      entry_keys = np.zeros((shards, per_shard), np.int32)
+      used = [0] * shards
+      for row, slot in entries:
+        d = slot // per_shard
+        m = used[d]
+        source[d, m], dest[d, m] = distinct[d][tuple(self.prompts[row])], slot % per_shard
+        entry_keys[d, m] = self.keys[row]
+        used[d] += 1
         occupant[slot] = row
-      # The prompts split over the shards (each prefills its part; replicated, every device prefilled all of them,
-      # 1.7x the insert's time on two CPU devices), the entries replicated.
-      self.state = self.fns.insert(self.params, self.state, self._by_shard(ids), self._by_shard(prompt_lengths),
-                                   *map(self._replicated, (source, dest, entry_keys)))
+      self.state = self.fns.insert(self.params, self.state, self._by_shard(ids.reshape(shards * cap, -1)),
+                                   *map(self._by_shard, (prompt_lengths.reshape(-1), source, dest, entry_keys)))
       self.counters["inserts"] += 1
       self.counters["row_steps"] += len(entries)  # each entering row samples its first token
 
@@ -231,9 +275,10 @@ class _Run:
     per_old = old // shards
     live = [[s for s in range(d * per_old, (d + 1) * per_old) if self.occupant[s] >= 0] for d in range(shards)]
     fullest = max(len(rows) for rows in live)
-    size = min((n for n in self.sizes if n >= fullest * shards), default=old)
-    if size >= old:
+    smaller = [n for n in self.sizes if n < old]
+    if not smaller or smaller[0] < fullest * shards:
       return
+    size = smaller[0]  # one level at a time: a compaction compiles per (old, new) pair, so only neighbours pair up
     per_new = size // shards
     keep = np.zeros((shards, per_new), np.int32)  # shard d's new slot j is its old local slot keep[d, j]
     for d in range(shards):
@@ -242,6 +287,7 @@ class _Run:
     self.state = self.fns.compact(self.state, self._replicated(keep))
     self.occupant = [self.occupant[d * per_old + int(keep[d, j])] for d in range(shards) for j in range(per_new)]
     self.counters["compactions"] += 1
+    self.compact()  # the next level, if the rows fit it too
 
   def decode_and_harvest(self) -> None:
     """One decode chunk; then the rows that are done go to the outputs and their slots are freed."""

@@ -166,8 +166,9 @@ def _engine_phases(config: Any, w: plan_memory.Workload, mesh: Any, graphdef: An
   out = {}
   if "prefill" in phases:
     prompts = w.prefill_rows * w.batch_shards
+    entries = (w.batch_shards, w.rollout_rows)  # source, dest and row keys [shards, slots a shard]
     inputs = (_abstract((prompts, w.prompt_len), jnp.int32, by_shard), _abstract((prompts,), jnp.int32, by_shard),
-              *(_abstract((slots,), jnp.int32, replicated) for _ in range(3)))
+              *(_abstract(entries, jnp.int32, by_shard) for _ in range(3)))
     out["prefill"] = PhaseMemory.of(fns.insert.lower(params, state, *inputs).compile())
   if "decode" in phases:
     out["decode"] = PhaseMemory.of(fns.decode_chunk.lower(params, state, _abstract((), jnp.int32, replicated))

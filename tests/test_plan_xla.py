@@ -42,10 +42,7 @@ for layers in %r:
   out[layers].update({"engine_" + phase: m.total for phase, m in phases.items()})
 print("RESULT " + json.dumps(out))
 """
-# The engine's insert is not held to XLA: on a mesh its scatter of the prompts into the slots keeps a replicated copy
-# (XLA: 6.45 GB of temporaries a layer at 7B on fsdp=8, against the planner's 2.3 GB); until the insert runs per batch
-# shard, paper-scale runs use the static sampler (the planner's docstring).
-_ENGINE_PHASES = ("decode",)
+_ENGINE_PHASES = ("prefill", "decode")  # the engine's insert (its prefill) and decode chunk
 
 
 def _config():
