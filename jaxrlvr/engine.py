@@ -311,29 +311,22 @@ def _attend(q: jax.Array, keys: tuple, values: tuple, segments: tuple, position:
 
 def _set_rows(full: jax.Array, index: jax.Array, value: jax.Array, axis: int) -> jax.Array:
   """full[r, ..., index[r], ...] = value[r] (index along `axis` of full, counted with the row dim) for every row r
-  whose index lies in range; rows with an index out of range keep their values.
+  whose index lies in [0, size); rows with an index out of range keep their values (the write is dropped).
 
-  Written per row (vmap of a dynamic update) rather than as one scatter over (row, index) pairs: under a mesh the
-  partitioner all-gathered such a scatter's index pairs, 54 all-gathers a decode step of the long-tail model on
-  two devices, while a per-row update is a scatter with a batch dimension that each device runs on its own rows.
+  Written per row (vmap of an indexed update: a scatter with a batch dimension, which each device runs on its own
+  rows) rather than as one scatter over (row, index) pairs: under a mesh the partitioner all-gathered such a
+  scatter's index pairs, 54 all-gathers a decode step of the long-tail model on two devices.
   """
-  def one_row(row: jax.Array, i: jax.Array, v: jax.Array) -> jax.Array:
-    size = row.shape[axis - 1]
-    safe = jnp.clip(i, 0, size - 1)
-    old = jax.lax.dynamic_index_in_dim(row, safe, axis - 1, keepdims=False)
-    new = jnp.where((i >= 0) & (i < size), v.astype(row.dtype), old)
-    return jax.lax.dynamic_update_index_in_dim(row, new, safe, axis - 1)
-
-  return jax.vmap(one_row)(full, index, value)
+  size = full.shape[axis]
+  index = jnp.where((index >= 0) & (index < size), index, size)  # a negative index would count from the end
+  where = (slice(None),) * (axis - 1)
+  return jax.vmap(lambda row, i, v: row.at[(*where, i)].set(v.astype(row.dtype), mode="drop"))(full, index, value)
 
 
 def _write(segments: tuple, bounds: tuple, new: jax.Array, position: jax.Array, active: jax.Array) -> tuple:
   """new [S, K, H] at cache slot position[r] of each active row; the segments it misses keep their values."""
-  out = []
-  for (start, size), segment in zip(bounds, segments):
-    index = jnp.where(active, position - start, size)  # out of this segment's range: no write
-    out.append(_set_rows(segment, index, new, axis=2))
-  return tuple(out)
+  return tuple(_set_rows(segment, jnp.where(active, position - start, size), new, axis=2)
+               for (start, size), segment in zip(bounds, segments))
 
 
 def _layer_step(spec: EngineSpec, block: Any, x: jax.Array, position: jax.Array, active: jax.Array,

@@ -134,14 +134,16 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                              pad_id=replicate(np.asarray(pad_id, np.int32)),
                              temperature=replicate(np.asarray(temperature, np.float32)),
                              top_p=replicate(np.asarray(top_p, np.float32)))
-  sizes = compaction_sizes(num_slots, shards)
+  # Once the queue is empty a row has at most N steps left: ceil(N / chunk) chunks, so that many boundaries minus one.
+  sizes = compaction_sizes(num_slots, shards, max_levels=-(-n // int(chunk_steps)) - 1)
   if (num_slots, unique_cap) not in fns.warmed:
     _warm_up(fns, params, controls, [num_slots, *sizes], shards, unique_cap // shards, bucket, mesh)
     fns.warmed.add((num_slots, unique_cap))
   state = fns.init(params, num_slots, controls)
 
   run = _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
-             bucket=bucket, max_new_tokens=n, segments=spec.segments, bounded=bool(prefill_rows_per_device))
+             bucket=bucket, max_new_tokens=n, segments=spec.segments, bounded=bool(prefill_rows_per_device),
+             sizes=sizes)
   run.on_rows_done = on_rows_done
   run.until_done()
   if stats is not None:
@@ -177,7 +179,7 @@ class _Run:
 
   def __init__(self, fns: engine.Compiled, params: Any, state: engine.EngineState, prompts: Sequence[Sequence[int]],
                keys: np.ndarray, *, pad_id: int, mesh: Any, shards: int, unique_cap: int, bucket: int,
-               max_new_tokens: int, segments: tuple, bounded: bool):
+               max_new_tokens: int, segments: tuple, bounded: bool, sizes: Sequence[int]):
     self.fns, self.params, self.state = fns, params, state
     self.prompts, self.keys, self.pad_id = prompts, keys, pad_id
     self.mesh, self.shards, self.unique_cap, self.bucket, self.segments = mesh, shards, unique_cap, bucket, segments
@@ -190,7 +192,7 @@ class _Run:
     self.queue = collections.deque(range(rows))
     self.occupant = [-1] * state.slots.done.shape[0]  # the row each slot holds, -1 when free
     self.counters = collections.Counter()
-    self.sizes = compaction_sizes(len(self.occupant), shards)
+    self.sizes = list(sizes)  # compaction_sizes: the smaller batches the live rows may move to
     self.on_rows_done: Callable | None = None
     self.pending: list[int] = []  # rows harvested but not yet handed to on_rows_done
 
@@ -321,15 +323,27 @@ class _Run:
       self.pending.append(row)
 
 
-def compaction_sizes(num_slots: int, shards: int) -> list[int]:
+def compaction_sizes(num_slots: int, shards: int, max_levels: int | None = None) -> list[int]:
   """The batch sizes compaction may go down to: S 3/4, S/2, S 3/8, S/4, ... (steps of 3/4 and 2/3), multiples of
   the batch shards, down to MIN_SLOTS_PER_DEVICE per shard. Halving alone left 72% of the row-steps useful on the
-  long-tail workload; these finer steps compile a few more decode shapes (one per size reached)."""
+  long-tail workload; these finer steps compile a few more decode shapes (one per size reached).
+
+  `max_levels`: at most this many sizes; when the fine steps have more, the halvings S/2, S/4, ... (as many). Every
+  size costs a compiled decode chunk and compaction before the first call (`_warm_up`), and a call whose rows are
+  all in their slots compacts only between chunks, so it decodes at no more sizes than it has chunk boundaries:
+  sizes beyond those are compiled for nothing. The embedded default (26 tokens, 16-step chunks) has one."""
   sizes, size = [], num_slots
   floor = MIN_SLOTS_PER_DEVICE * shards
   while True:
     size = size * 3 // 4 if size & (size - 1) == 0 else size * 2 // 3  # 2^k -> 3 2^(k-2) -> 2^(k-1) -> ...
     size -= size % shards
     if size < floor or size <= 0 or (sizes and size >= sizes[-1]):
-      return sizes
+      break
     sizes.append(size)
+  if max_levels is None or len(sizes) <= max_levels:
+    return sizes
+  halvings = []
+  for size in sizes:
+    if not halvings and size <= num_slots // 2 or halvings and size <= halvings[-1] // 2:
+      halvings.append(size)
+  return halvings[:max(0, max_levels)]

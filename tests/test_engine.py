@@ -46,6 +46,20 @@ def test_segment_bounds_cover_the_capacity():
   assert engine.segment_bounds(40) == ((0, 40),)
 
 
+def test_compaction_sizes_are_bounded_by_the_chunk_boundaries(model):
+  """Steps of 3/4 and 2/3; with fewer chunk boundaries than those sizes, halvings, as many as the boundaries. A call
+  of 26 tokens in 16-step chunks (the embedded default's) compiles two decode shapes, not eleven."""
+  assert engine_scheduler.compaction_sizes(64, 2) == [48, 32, 24, 16, 12, 8]
+  assert engine_scheduler.compaction_sizes(64, 2, max_levels=6) == [48, 32, 24, 16, 12, 8]
+  assert engine_scheduler.compaction_sizes(128, 1, max_levels=3) == [64, 32, 16]
+  assert engine_scheduler.compaction_sizes(128, 1, max_levels=1) == [64]
+  assert engine_scheduler.compaction_sizes(128, 1, max_levels=0) == []
+  before = engine.TRACE_COUNTS["decode"]
+  engine_scheduler.generate(model, _group_prompts(groups=16, samples=8), max_new_tokens=26, rng=0, eos_ids=(5, 11),
+                            chunk_steps=16)
+  assert engine.TRACE_COUNTS["decode"] - before == 2  # 128 slots, then 64
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_engine_equals_the_static_sampler(model, small_segments, temperature):
   """Same tokens and lengths as `sampling.generate` (stop ids, pad after the stop), log-probs and entropies to 2e-5;
