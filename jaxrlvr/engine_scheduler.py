@@ -22,6 +22,7 @@ rows. Nothing moves between devices: a row's prompt is prefilled on the shard of
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -129,7 +130,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                            mesh=mesh, prefill_tokens=int(prefill_chunk_tokens),
                            segment_sizes=(engine.FIRST_SEGMENT, engine.MAX_SEGMENT))
   fns = engine.compiled(spec)
-  replicate = (lambda x: x) if mesh is None else (lambda x: jax.device_put(x, NamedSharding(mesh, P())))  # scalars
+  replicate = functools.partial(_put_replicated, mesh)  # the scalars
   controls = engine.Controls(rng=replicate(rng), stop_ids=replicate(sampling_batches.stop_array(eos_ids)),
                              pad_id=replicate(np.asarray(pad_id, np.int32)),
                              temperature=replicate(np.asarray(temperature, np.float32)),
@@ -151,15 +152,23 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   return SampleOutput(tokens=run.tokens, logprobs=run.logprobs, entropies=run.entropies, lengths=run.lengths)
 
 
+def _put_replicated(mesh: Any, x: Any) -> Any:
+  """`x` on every device of `mesh` (as it is without one)."""
+  return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+
+
+def _put_by_shard(mesh: Any, x: Any) -> Any:
+  """`x` split along its dim 0 over the batch shards of `mesh` (as it is without one)."""
+  return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P(sampling_batches.BATCH_AXES)))
+
+
 def _warm_up(fns: engine.Compiled, params: Any, controls: engine.Controls, sizes: list[int], shards: int,
              refill_prompts: int, bucket: int, mesh: Any) -> None:
   """Compiles, before the first real call of these shapes, what a call may reach later: the refill insert and every
   compaction level's decode chunk and compaction, by running them on empty slots (a chunk with every slot done runs
   no step; an insert whose entries are all padding writes nothing). A run then compiles nothing after its first
   call of each kind, whichever compaction levels its rows happen to reach. One empty state is alive at a time."""
-  by_shard = (lambda x: x) if mesh is None else (
-      lambda x: jax.device_put(x, NamedSharding(mesh, P(sampling_batches.BATCH_AXES))))
-  replicated = (lambda x: x) if mesh is None else (lambda x: jax.device_put(x, NamedSharding(mesh, P())))
+  by_shard, replicated = functools.partial(_put_by_shard, mesh), functools.partial(_put_replicated, mesh)
   state = fns.init(params, sizes[0], controls)
   per_shard = sizes[0] // shards
   padding = np.full((shards, per_shard), per_shard, np.int32)  # every entry out of range: dropped
@@ -195,12 +204,6 @@ class _Run:
     self.sizes = list(sizes)  # compaction_sizes: the smaller batches the live rows may move to
     self.on_rows_done: Callable | None = None
     self.pending: list[int] = []  # rows harvested but not yet handed to on_rows_done
-
-  def _replicated(self, x: np.ndarray) -> Any:
-    return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P()))
-
-  def _by_shard(self, x: np.ndarray) -> Any:
-    return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P(sampling_batches.BATCH_AXES)))
 
   def until_done(self) -> None:
     while self.queue or any(o >= 0 for o in self.occupant):
@@ -265,8 +268,9 @@ class _Run:
         entry_keys[d, m] = self.keys[row]
         used[d] += 1
         occupant[slot] = row
-      self.state = self.fns.insert(self.params, self.state, self._by_shard(ids.reshape(shards * cap, -1)),
-                                   *map(self._by_shard, (prompt_lengths.reshape(-1), source, dest, entry_keys)))
+      by_shard = functools.partial(_put_by_shard, self.mesh)
+      self.state = self.fns.insert(self.params, self.state, by_shard(ids.reshape(shards * cap, -1)),
+                                   *map(by_shard, (prompt_lengths.reshape(-1), source, dest, entry_keys)))
       self.counters["inserts"] += 1
       self.counters["row_steps"] += len(entries)  # each entering row samples its first token
 
@@ -286,7 +290,7 @@ class _Run:
     for d in range(shards):
       spare = [s for s in range(d * per_old, (d + 1) * per_old) if self.occupant[s] < 0]
       keep[d] = np.asarray(live[d] + spare[:per_new - len(live[d])]) - d * per_old
-    self.state = self.fns.compact(self.state, self._replicated(keep))
+    self.state = self.fns.compact(self.state, _put_replicated(self.mesh, keep))
     self.occupant = [self.occupant[d * per_old + int(keep[d, j])] for d in range(shards) for j in range(per_new)]
     self.counters["compactions"] += 1
     self.compact()  # the next level, if the rows fit it too

@@ -7,6 +7,7 @@ import pytest
 import scipy.stats
 from flax import nnx
 
+import hf_greedy
 from jaxrlvr import engine
 from jaxrlvr import engine_scheduler
 from jaxrlvr import sampling
@@ -281,34 +282,18 @@ def test_the_decode_loop_gathers_no_weight_on_an_fsdp_mesh(model):
 
 
 def test_greedy_equals_transformers(tmp_path):
-  """Ragged, left-padded greedy decoding by transformers gives the engine's tokens (a model of test_sampling.py's
-  transformers test, on more decode steps than the first cache segment holds)."""
-  import torch
-  import transformers
-
+  """Ragged, left-padded greedy decoding by transformers gives the engine's tokens (test_sampling.py's model, on more
+  decode steps than the first cache segment holds)."""
   from jaxrlvr.models import load_pretrained
 
-  torch.manual_seed(0)
-  config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                    initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=True)
-  hf = transformers.Qwen2ForCausalLM(config).eval()
+  hf = hf_greedy.tiny_model("qwen2", max_positions=256)
   hf.save_pretrained(tmp_path)
   ours, _ = load_pretrained(str(tmp_path))
   prompts = [[5, 17, 33, 2, 90], [41], [7, 7, 8, 60, 12, 3, 71, 1, 44]]
   new = 80  # 16 + 80 cache slots: two segments
-  width = max(len(p) for p in prompts)
-  ids = torch.zeros((len(prompts), width), dtype=torch.long)
-  mask = torch.zeros_like(ids)
-  for row, p in enumerate(prompts):
-    ids[row, width - len(p):] = torch.tensor(p)
-    mask[row, width - len(p):] = 1
-  with torch.no_grad():
-    expected = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                           pad_token_id=0, eos_token_id=None)[:, width:].numpy()
   out = engine_scheduler.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0,
                                   decode_slots=1)
-  np.testing.assert_array_equal(out.tokens, expected)
+  np.testing.assert_array_equal(out.tokens, hf_greedy.greedy(hf, prompts, new))
 
 
 def test_invalid_arguments_name_themselves(model):

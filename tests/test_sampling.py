@@ -8,6 +8,7 @@ import pytest
 import scipy.stats
 from flax import nnx
 
+import hf_greedy
 from jaxrlvr import sampling
 from jaxrlvr import scoring
 from jaxrlvr.models import ModelConfig, Transformer
@@ -213,49 +214,22 @@ def test_sharded_generate_equals_single_device(model):
   np.testing.assert_array_equal(multi.lengths, single.lengths)
 
 
-def _hf_model(kind):
-  """A tiny random transformers model (torch, float32) and the kwargs that make it."""
-  import torch
-  import transformers
-
-  torch.manual_seed(0)
-  common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, rms_norm_eps=1e-6)
-  if kind == "qwen2":
-    config = transformers.Qwen2Config(tie_word_embeddings=True, **common)
-    return transformers.Qwen2ForCausalLM(config).eval()
-  config = transformers.LlamaConfig(tie_word_embeddings=False, **common)
-  return transformers.LlamaForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_greedy_equals_transformers(kind, tmp_path):
   """Ragged, left-padded greedy decoding gives transformers' greedy `generate` tokens, stop id included."""
-  import torch
-
   from jaxrlvr.models import load_pretrained
 
-  hf = _hf_model(kind)
+  hf = hf_greedy.tiny_model(kind)
   hf.save_pretrained(tmp_path)
   ours, _ = load_pretrained(str(tmp_path))
   prompts = [[5, 17, 33, 2, 90], [41], [7, 7, 8, 60, 12, 3, 71, 1, 44]]
   new = 8
-  width = max(len(p) for p in prompts)
-  ids = torch.zeros((len(prompts), width), dtype=torch.long)
-  mask = torch.zeros_like(ids)
-  for row, p in enumerate(prompts):
-    ids[row, width - len(p):] = torch.tensor(p)
-    mask[row, width - len(p):] = 1
-  with torch.no_grad():
-    expected = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                           pad_token_id=0, eos_token_id=None)[:, width:].numpy()
+  expected = hf_greedy.greedy(hf, prompts, new)
   out = sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0)
   np.testing.assert_array_equal(out.tokens, expected)
   # With a stop id (the token row 0 emits at step 3), transformers pads after it just as we do.
   eos = int(expected[0, 3])
-  with torch.no_grad():
-    stopped = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0,
-                          eos_token_id=eos)[:, width:].numpy()
+  stopped = hf_greedy.greedy(hf, prompts, new, eos=eos)
   out = sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0, eos_ids=(eos,))
   assert out.lengths[0] <= 4
   np.testing.assert_array_equal(out.tokens[:, :stopped.shape[1]], stopped)
