@@ -1,6 +1,7 @@
 """The sampler benchmark runs end to end at toy sizes: two CPU devices with the batch sharded, transformers in its
 own process, and a greedy check that the same weights give the same tokens. Speed itself is not asserted here (the
-figures are measured by hand and kept in the README); this guards the code that measures them."""
+figures are measured by hand and kept in the README); this guards the code that measures them, the GPU section's
+included."""
 import os
 import re
 import subprocess
@@ -26,6 +27,22 @@ def test_sampler_benchmark_runs_on_two_cpu_devices():
   assert fields[-1] == "True", f"greedy tokens differ from transformers: {row}"
   assert all(re.fullmatch(r"[\d.]+x", f) for f in (fields[6], fields[8], fields[10], fields[12])), row
   assert "GPU section skipped" in result.stdout
+
+
+def test_gpu_section_runs_its_code_on_cpu():
+  """The GPU section (the static sampler's bandwidth table, then the engine on long-tailed answers) at toy sizes on
+  CPU, so that a machine with a GPU runs code that has run before; no figure is asserted."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "sampler.py"), "--gpu_section_on_cpu",
+             "--gpu_preset=tiny", "--gpu_batches=4", "--gpu_prompt_len=8", "--gpu_new_tokens=8",
+             "--gpu_long_prompt_len=8", "--gpu_long_cap=32", "--gpu_long_mean_tokens=16", "--repeats=1",
+             "--cpu_devices=1"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "tiny random bf16 weights" in result.stdout and "GPU engine:" in result.stdout, result.stdout
+  engine_row = result.stdout.strip().splitlines()[-1].split()
+  assert engine_row[0] == "4" and engine_row[3].endswith("%"), result.stdout  # rows, tok/s, mean len, useful share
 
 
 def test_main_command_benchmark_reruns_the_readme_commands():
