@@ -332,10 +332,11 @@ def compaction_sizes(num_slots: int, shards: int, max_levels: int | None = None)
   the batch shards, down to MIN_SLOTS_PER_DEVICE per shard. Halving alone left 72% of the row-steps useful on the
   long-tail workload; these finer steps compile a few more decode shapes (one per size reached).
 
-  `max_levels`: at most this many sizes; when the fine steps have more, the halvings S/2, S/4, ... (as many). Every
-  size costs a compiled decode chunk and compaction before the first call (`_warm_up`), and a call whose rows are
-  all in their slots compacts only between chunks, so it decodes at no more sizes than it has chunk boundaries:
-  sizes beyond those are compiled for nothing. The embedded default (26 tokens, 16-step chunks) has one."""
+  `max_levels`: at most this many sizes; when the fine steps have more, the first `max_levels` of them that halve
+  the one before (S/2, S/4, ...). Every size costs a compiled decode chunk and compaction before the first call
+  (`_warm_up`: 2-3 s each for the tiny model on this CPU), while compaction happens only between chunks, so a call
+  decodes at no more sizes than it has chunk boundaries once its queue is empty. The embedded default (26 tokens,
+  16-step chunks) has one boundary: eleven compiled shapes cost it more than the tail it saved."""
   sizes, size = [], num_slots
   floor = MIN_SLOTS_PER_DEVICE * shards
   while True:
