@@ -18,6 +18,7 @@ from jax.experimental import mesh_utils
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrlvr import config_lib
 from jaxrlvr import models
 from jaxrlvr.models.config import ModelConfig
 # The rules live with the model (models.hf places loaded tensors with them); callers reach them through this module.
@@ -180,13 +181,27 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
   """
   import os  # pylint: disable=g-import-not-at-top
   env = os.environ
+
+  def env_int(name: str, default: int) -> int:
+    value = env.get(name, "")
+    if not value:
+      return default
+    if not value.lstrip("-").isdigit():
+      raise config_lib.ConfigError(f"{name}={value!r} is not an integer")
+    return int(value)
+
   coordinator_address = coordinator_address or env.get("JAXRLVR_COORDINATOR", "")
-  num_processes = num_processes or int(env.get("JAXRLVR_NUM_PROCESSES", "0"))
-  process_id = process_id if process_id >= 0 else int(env.get("JAXRLVR_PROCESS_ID", "-1"))
+  num_processes = num_processes or env_int("JAXRLVR_NUM_PROCESSES", 0)
+  process_id = process_id if process_id >= 0 else env_int("JAXRLVR_PROCESS_ID", -1)
   if coordinator_address:
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise config_lib.ConfigError(f"--coordinator_address={coordinator_address!r} (or JAXRLVR_COORDINATOR) is not "
+                                   "host:port, e.g. 10.0.0.1:1234")
     if num_processes < 1 or not 0 <= process_id < num_processes:
-      raise ValueError(f"parallel.py: coordinator {coordinator_address!r} needs num_processes >= 1 and 0 <= "
-                       f"process_id < num_processes, got {num_processes} and {process_id}")
+      raise config_lib.ConfigError(
+          f"--coordinator_address={coordinator_address!r} needs --num_processes >= 1 and 0 <= --process_id < "
+          f"--num_processes (or JAXRLVR_NUM_PROCESSES / JAXRLVR_PROCESS_ID), got {num_processes} and {process_id}")
     if num_processes == 1:
       return
     if env.get("JAX_PLATFORMS", "") == "cpu":

@@ -146,6 +146,17 @@ def test_config_error_in_the_run_is_one_line(tmp_path):
   assert "config.rollout.group_size=1" in line and "at least 2" in line
 
 
+@pytest.mark.parametrize("flags, env, words", [
+    (["--coordinator_address=node0"], {}, "--coordinator_address='node0'"),  # no port
+    (["--coordinator_address=node0:1234"], {}, "--num_processes"),  # no process count
+    (["--coordinator_address=node0:1234", "--num_processes=2", "--process_id=2"], {}, "got 2 and 2"),
+    ([], {"JAXRLVR_COORDINATOR": "node0:1234", "JAXRLVR_NUM_PROCESSES": "two"}, "JAXRLVR_NUM_PROCESSES='two'"),
+])
+def test_a_bad_multi_process_setting_names_it(tmp_path, flags, env, words):
+  line = _error_line(_main(*_grpo(tmp_path / "run"), *flags, env=env))
+  assert words in line, line
+
+
 def test_a_model_path_that_is_not_a_checkpoint_names_it(tmp_path):
   missing = tmp_path / "no_such_ckpt"
   line = _error_line(_main(*_grpo(tmp_path / "run", f"--config.model.path={missing}")))
