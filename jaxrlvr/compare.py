@@ -356,7 +356,7 @@ def _main(argv) -> int:
   summary = summarize(runs, budget_tokens=f.budget_tokens, baseline=baseline, wall_reference=compare_arms.BASELINE)
   from jaxrlvr import plots  # pylint: disable=g-import-not-at-top  (matplotlib only where figures are drawn)
   title = chosen.name if chosen else ""
-  figures = plots.write_all(runs, summary.budget_tokens, outdir, regime=title)
+  figures = plots.write_all(runs, summary.budget_tokens, outdir, regime=title, baseline=baseline)
   command = "python -m jaxrlvr.compare " + " ".join(a for a in sys.argv[1:])
   write_results(summary, outdir, command=command, wall_s=time.time() - started,
                 plots=[os.path.basename(p) for p in figures], missing=missing, title=title,

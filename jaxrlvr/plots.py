@@ -128,8 +128,7 @@ def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = run_data.AC
       keep = x <= budget
       if not keep.any():
         continue
-      # np.interp holds the last value past it, as the AUC does
-      curves.append(np.interp(grid, x[keep], y[keep]) if x[keep][0] == 0 else _interp(grid, x[keep], y[keep]))
+      curves.append(_budget_curve(r, key, grid))
       ax.plot(x[keep], y[keep], ".", color=_color(method, groups), alpha=0.35, ms=4)
     if curves:
       _band(ax, grid, np.asarray(curves), _color(method, groups), method, bounds=(0, 1))
@@ -137,6 +136,40 @@ def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = run_data.AC
   return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel=ylabel,
                  title=f"{name} vs rollout budget{_regime(regime)}\n(mean ± 95% CI over seeds; dots: single "
                  "evaluations)")
+
+
+def _budget_curve(run, key: str, grid: np.ndarray) -> np.ndarray:
+  """An evaluation metric of one run on the budget grid: evaluations joined linearly, the last one held to the end
+  of the grid (np.interp's hold, as the AUC does); NaN before the first evaluation when it is not at 0 tokens."""
+  _, x, y = run.series(key)
+  keep = x <= grid[-1]
+  if not keep.any():
+    return np.full_like(grid, np.nan)
+  return np.interp(grid, x[keep], y[keep]) if x[keep][0] == 0 else _interp(grid, x[keep], y[keep])
+
+
+def paired_vs_budget(runs, budget: float, path: str, *, baseline: str, key: str = run_data.ACCURACY_KEY,
+                     name: str = "held-out accuracy", regime: str = "") -> str | None:
+  """Each arm's metric minus the `baseline` run of the same seed against tokens, mean and 95% band over the seeds
+  that have both: the paired difference the results table reads, along the budget. A seed moves accuracy by more
+  than the methods do (the bands of `accuracy_vs_budget` overlap for that reason); pairing takes that out. None
+  when there is no baseline run or no other arm."""
+  grid = np.linspace(0, budget, _GRID)
+  groups = _by_method(runs)
+  reference = {r.seed: _budget_curve(r, key, grid) for r in groups.get(baseline, [])}
+  others = {m: members for m, members in groups.items() if m != baseline}
+  if not reference or not others or not any(len(r.series(key)[0]) for r in runs):
+    return None
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.subplots()
+  ax.axhline(0.0, color=_color(baseline, groups), lw=1.0, label=f"{baseline} (the baseline)")
+  for method, members in others.items():
+    curves = [_budget_curve(r, key, grid) - reference[r.seed] for r in members if r.seed in reference]
+    if curves:
+      _band(ax, grid, np.asarray(curves), _color(method, groups), method)
+  return _finish(fig, ax, path, xlabel=_BUDGET_LABEL, ylabel=f"{name} - {baseline} (same seed)",
+                 title=f"{name[0].upper() + name[1:]} minus {baseline}, paired by seed{_regime(regime)}\n(mean ± 95% "
+                 "CI over seeds)")
 
 
 def accuracy_vs_wall(runs, path: str, *, regime: str = "") -> str:
@@ -282,9 +315,10 @@ def _ratio_axes(linear, log, *, empty: str) -> None:
   log.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
-def write_all(runs, budget: float, outdir: str, *, regime: str = "") -> list[str]:
+def write_all(runs, budget: float, outdir: str, *, regime: str = "", baseline: str = "grpo") -> list[str]:
   """Every figure of the comparison into `outdir`; returns the paths written (a figure with no data is skipped).
-  Runs of kind "sft" (no rollouts) appear in the training-time figure only."""
+  Runs of kind "sft" (no rollouts) appear in the training-time figure only; the paired figures take each arm's
+  difference to the `baseline` run of its seed."""
   os.makedirs(outdir, exist_ok=True)
   out = os.path.join
   everything, runs = runs, [r for r in runs if getattr(r, "kind", "rl") != "sft"]
@@ -295,6 +329,11 @@ def write_all(runs, budget: float, outdir: str, *, regime: str = "") -> list[str
       *[accuracy_vs_budget(runs, budget, out(outdir, f"{k[len('eval/'):].replace('@', '_at_')}_vs_budget.png"),
                            key=k, name=f"Held-out {k[len('eval/'):]}", regime=regime,
                            ylabel=f"held-out {k[len('eval/'):]} (sampled at eval.temperature)") for k in pass_keys],
+      paired_vs_budget(runs, budget, out(outdir, f"accuracy_minus_{baseline}_vs_budget.png"), baseline=baseline,
+                       regime=regime),
+      *[paired_vs_budget(runs, budget, out(outdir, f"{k[len('eval/'):].replace('@', '_at_')}_minus_{baseline}"
+                                               "_vs_budget.png"), baseline=baseline, key=k,
+                         name=f"held-out {k[len('eval/'):]}", regime=regime) for k in pass_keys],
       accuracy_vs_wall(everything, out(outdir, "accuracy_vs_training_time.png"), regime=regime),
       metric_vs_budget(runs, "rollout/solve_rate", budget, out(outdir, "solve_rate.png"),
                        ylabel="batch solve rate (correct / sampled rollouts)", title="Batch solve rate",

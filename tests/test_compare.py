@@ -136,8 +136,8 @@ def test_results_files_and_figures(tmp_path):
   out = str(tmp_path / "out")
   figures = plots.write_all(runs, summary.budget_tokens, out)
   assert sorted(os.path.basename(p) for p in figures) == sorted(
-      ["accuracy_vs_budget.png", "accuracy_vs_training_time.png", "solve_rate.png", "response_length.png",
-       "exgrpo_buckets.png", "replayed_share.png", "ratio_stats.png"])
+      ["accuracy_vs_budget.png", "accuracy_minus_grpo_vs_budget.png", "accuracy_vs_training_time.png",
+       "solve_rate.png", "response_length.png", "exgrpo_buckets.png", "replayed_share.png", "ratio_stats.png"])
   for path in figures:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
