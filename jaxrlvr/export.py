@@ -86,6 +86,17 @@ def export_hf(model: models.Transformer, model_config: models.ModelConfig, token
   return out_dir
 
 
+def run_dtype(config: ml_collections.ConfigDict) -> str | None:
+  """The dtype a run's exports are written in unless told otherwise: that of the checkpoint it started from
+  (`model.path`'s config.json says it, e.g. bfloat16 for the released Qwen and Llama weights), so that DIR/hf of a
+  7B run trained with float32 master weights is the 15 GB of its source and not 30; None (the parameter dtype) for
+  a run from a preset or a checkpoint that does not say."""
+  path = os.path.join(config.model.path, "config.json") if config.model.path else ""
+  if not path or not os.path.isfile(path):
+    return None
+  return hf_lib.checkpoint_dtype(hf_lib.read_config(config.model.path))
+
+
 def _umask() -> int:
   mask = os.umask(0)
   os.umask(mask)
@@ -169,7 +180,8 @@ def restore_policy(workdir: str, step: int, model_config: models.ModelConfig,
 def export_checkpoint(workdir: str, step: int | None = None, out: str | None = None, dtype=None) -> tuple[int, str]:
   """Exports checkpoint `step` (None: the latest) of the run in `workdir`; returns (step, export directory).
 
-  Default `out`: DIR/hf for the latest step, DIR/hf-N for another. Every process must call this.
+  Default `out`: DIR/hf for the latest step, DIR/hf-N for another; default `dtype`: `run_dtype`. Every process must
+  call this.
   """
   config = read_run_config(workdir)
   steps = kept_steps(workdir)
@@ -189,7 +201,7 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str | None = N
   model_config = model_config_from_run(config)
   mesh = parallel.make_mesh(data=1, fsdp=-1, tensor=1)  # any device count: the rules replicate what does not divide
   model = restore_policy(workdir, step, model_config, mesh)
-  return step, export_hf(model, model_config, tokenizer, out, dtype=dtype)
+  return step, export_hf(model, model_config, tokenizer, out, dtype=run_dtype(config) if dtype is None else dtype)
 
 
 def export_if_missing(workdir: str, step: int) -> None:
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
   parser.add_argument("--out", default=None, help="export directory (default: WORKDIR/hf, or WORKDIR/hf-STEP for a "
                                                   "step other than the latest)")
-  parser.add_argument("--dtype", default="", help="cast the weights on save, e.g. bfloat16 (default: as trained)")
+  parser.add_argument("--dtype", default="", help="cast the weights on save, e.g. float32 (default: the dtype of the "
+                      "checkpoint the run started from, else as trained)")
   args = parser.parse_args(argv)
   try:
     step, out = export_checkpoint(args.workdir, args.step, args.out, _dtype(args.dtype))

@@ -347,7 +347,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   gc.unfreeze()
   # After the final checkpoint: a run killed here restarts as finished and writes the export then.
-  export_lib.export_hf(policy(state.params), model_config, tokenizer, os.path.join(workdir, export_lib.FINAL_DIR))
+  export_lib.export_hf(policy(state.params), model_config, tokenizer, os.path.join(workdir, export_lib.FINAL_DIR),
+                       dtype=export_lib.run_dtype(config))
   writer.close()
   reward_pool.close()
   checkpointer.close()

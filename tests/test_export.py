@@ -3,6 +3,7 @@ earlier checkpoint and refuses bad input in one line, and a finished run restart
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -177,6 +178,29 @@ def test_cli_replaces_an_export_and_casts(run, tmp_path):
   loaded, _ = models.load_pretrained(out, dtype=None)
   assert loaded.embed.get_value().dtype == jnp.bfloat16
   assert not [name for name in os.listdir(tmp_path) if name.startswith(".bf16")], "a staging directory was left"
+
+
+def test_an_export_keeps_the_dtype_of_the_checkpoint_the_run_started_from(run, tmp_path):
+  """A run from a bfloat16 checkpoint (model.path) exports bfloat16 unless --dtype says otherwise: the same run
+  directory, its config.json pointed at a bfloat16 export of its own policy (the same architecture)."""
+  workdir, _ = run
+  source = str(tmp_path / "bf16_source")
+  assert export.main([f"--workdir={workdir}", f"--out={source}", "--dtype=bfloat16"]) == 0
+  copy = str(tmp_path / "run_from_bf16")
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("hf"))
+  with open(os.path.join(copy, "config.json")) as f:
+    run_config = json.load(f)
+  run_config["model"]["path"] = source
+  with open(os.path.join(copy, "config.json"), "w") as f:
+    json.dump(run_config, f)
+  dtypes = {}
+  for name, flags in (("default", []), ("float32", ["--dtype=float32"])):
+    out = str(tmp_path / name)
+    assert export.main([f"--workdir={copy}", f"--out={out}", *flags]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+      dtypes[name] = json.load(f)["dtype"]
+  assert dtypes == {"default": "bfloat16", "float32": "float32"}
+  assert export.run_dtype(export.read_run_config(workdir)) is None  # the preset's run: the parameter dtype
 
 
 @pytest.mark.parametrize("case", ["no_workdir", "no_step", "out_is_a_file"])
