@@ -137,9 +137,12 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                              top_p=replicate(np.asarray(top_p, np.float32)))
   # Once the queue is empty a row has at most N steps left: ceil(N / chunk) chunks, so that many boundaries minus one.
   sizes = compaction_sizes(num_slots, shards, max_levels=-(-n // int(chunk_steps)) - 1)
-  if (num_slots, unique_cap) not in fns.warmed:
-    _warm_up(fns, params, controls, [num_slots, *sizes], shards, unique_cap // shards, bucket, mesh)
-    fns.warmed.add((num_slots, unique_cap))
+  # Rows queue only when there are fewer slots than rows; without a queue nothing refills, so the refill insert is
+  # not compiled (the evaluation's first fill of all its distinct prompts is another shape).
+  refill_prompts = unique_cap // shards if num_slots < rows else 0
+  if (num_slots, unique_cap, refill_prompts) not in fns.warmed:
+    _warm_up(fns, params, controls, [num_slots, *sizes], shards, refill_prompts, bucket, mesh)
+    fns.warmed.add((num_slots, unique_cap, refill_prompts))
   state = fns.init(params, num_slots, controls)
 
   run = _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
@@ -164,17 +167,19 @@ def _put_by_shard(mesh: Any, x: Any) -> Any:
 
 def _warm_up(fns: engine.Compiled, params: Any, controls: engine.Controls, sizes: list[int], shards: int,
              refill_prompts: int, bucket: int, mesh: Any) -> None:
-  """Compiles, before the first real call of these shapes, what a call may reach later: the refill insert and every
-  compaction level's decode chunk and compaction, by running them on empty slots (a chunk with every slot done runs
-  no step; an insert whose entries are all padding writes nothing). A run then compiles nothing after its first
-  call of each kind, whichever compaction levels its rows happen to reach. One empty state is alive at a time."""
+  """Compiles, before the first real call of these shapes, what a call may reach later: the refill insert of
+  `refill_prompts` prompts a shard (0: none, no row will queue) and every compaction level's decode chunk and
+  compaction, by running them on empty slots (a chunk with every slot done runs no step; an insert whose entries
+  are all padding writes nothing). A run then compiles nothing after its first call of each kind, whichever
+  compaction levels its rows happen to reach. One empty state is alive at a time."""
   by_shard, replicated = functools.partial(_put_by_shard, mesh), functools.partial(_put_replicated, mesh)
   state = fns.init(params, sizes[0], controls)
   per_shard = sizes[0] // shards
-  padding = np.full((shards, per_shard), per_shard, np.int32)  # every entry out of range: dropped
-  state = fns.insert(params, state, by_shard(np.zeros((shards * refill_prompts, bucket), np.int32)),
-                     by_shard(np.ones((shards * refill_prompts,), np.int32)),
-                     *map(by_shard, (np.zeros_like(padding), padding, np.zeros_like(padding))))
+  if refill_prompts:
+    padding = np.full((shards, per_shard), per_shard, np.int32)  # every entry out of range: dropped
+    state = fns.insert(params, state, by_shard(np.zeros((shards * refill_prompts, bucket), np.int32)),
+                       by_shard(np.ones((shards * refill_prompts,), np.int32)),
+                       *map(by_shard, (np.zeros_like(padding), padding, np.zeros_like(padding))))
   for i, size in enumerate(sizes):
     state, _ = fns.decode_chunk(params, state, np.asarray(size + 1, np.int32))
     if i + 1 < len(sizes):
