@@ -148,13 +148,21 @@ def test_config_error_in_the_run_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("flags, env, words", [
     (["--coordinator_address=node0"], {}, "--coordinator_address='node0'"),  # no port
-    (["--coordinator_address=node0:1234"], {}, "--num_processes"),  # no process count
-    (["--coordinator_address=node0:1234", "--num_processes=2", "--process_id=2"], {}, "got 2 and 2"),
     ([], {"JAXRLVR_COORDINATOR": "node0:1234", "JAXRLVR_NUM_PROCESSES": "two"}, "JAXRLVR_NUM_PROCESSES='two'"),
 ])
 def test_a_bad_multi_process_setting_names_it(tmp_path, flags, env, words):
   line = _error_line(_main(*_grpo(tmp_path / "run"), *flags, env=env))
   assert words in line, line
+
+
+def test_a_coordinator_without_a_valid_process_count_or_id_names_them(monkeypatch):
+  from jaxrlvr import parallel
+  for name in ("JAXRLVR_COORDINATOR", "JAXRLVR_NUM_PROCESSES", "JAXRLVR_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  with pytest.raises(config_lib.ConfigError, match="needs --num_processes"):
+    parallel.initialize_distributed("node0:1234")
+  with pytest.raises(config_lib.ConfigError, match="got 2 and 2"):
+    parallel.initialize_distributed("node0:1234", 2, 2)
 
 
 def test_a_model_path_that_is_not_a_checkpoint_names_it(tmp_path):
