@@ -10,7 +10,8 @@ prefilled at once, Lb their length bucket, K kv heads, G query heads per kv head
 
 - Layout. A slot's prompt sits at cache slots [0, P) (not left-padded): a token's cache slot is its RoPE position,
   and row r sees slots <= its position. The KV cache of each layer is a tuple of segments, [S, K, L_i, H] each,
-  covering slots [start_i, start_i + L_i) with L_i = 64, 64, 128, 256, 512, 512, ... (`segment_bounds`).
+  covering slots [start_i, start_i + L_i) with L_i = 64, 64, 128, 256, 512, 512, ... (`segment_bounds`; a
+  remainder under 64 slots joins the last).
 - Attention over what the slots hold. A decode step reads only the segments up to the one holding the furthest
   live row (`_attend`: a `lax.switch` over their number); each is a whole array, read in place by its dot. Slicing
   a window out of one [S, K, C, H] array instead made XLA:CPU copy the window before the dot: at C = 544, 64 slots,
@@ -56,7 +57,9 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 def segment_bounds(capacity: int, first: int = FIRST_SEGMENT,
                    largest: int = MAX_SEGMENT) -> tuple[tuple[int, int], ...]:
   """(start, size) of each cache segment covering [0, capacity): sizes first, first, 2 first, ... up to `largest`,
-  the last one cut to what is left (so the segments hold exactly `capacity` slots)."""
+  the last one cut to what is left (so the segments hold exactly `capacity` slots). A remainder smaller than
+  `first` joins the segment before it: a segment costs a cache write and a branch level at every step, which a
+  few extra slots read do not (the short workload's 80 slots are one segment, not 64 + 16)."""
   bounds, start, size = [], 0, first
   while start < capacity:
     take = min(size, capacity - start)
@@ -64,6 +67,9 @@ def segment_bounds(capacity: int, first: int = FIRST_SEGMENT,
     start += take
     if len(bounds) > 1:
       size = min(2 * size, largest)
+  if len(bounds) > 1 and bounds[-1][1] < first:
+    (start, size), (_, rest) = bounds[-2], bounds.pop()
+    bounds[-1] = (start, size + rest)
   return tuple(bounds)
 
 
@@ -359,8 +365,11 @@ def _layer_step(spec: EngineSpec, block: Any, x: jax.Array, position: jax.Array,
   return _constrain(spec.mesh, x), cache
 
 
-def _decode_step(spec: EngineSpec, model: Any, state: EngineState) -> EngineState:
-  """Feeds every live slot's last token and samples its next one; done slots only recompute what they hold."""
+def _decode_step(spec: EngineSpec, model: Any, state: EngineState,
+                 uniform: jax.Array) -> tuple[EngineState, tuple]:
+  """Feeds every live slot's last token and samples its next one with its draw uniform [S]; done slots only
+  recompute what they hold. Returns the state (its tokens / logprobs / entropies not yet written) and the step's
+  (token, logprob, entropy) [S] each, which `_decode_chunk` records."""
   slots, ctl = state.slots, state.controls
   n = spec.max_new_tokens
   active = ~slots.done
@@ -372,36 +381,58 @@ def _decode_step(spec: EngineSpec, model: Any, state: EngineState) -> EngineStat
     x, layer_cache = _layer_step(spec, block, x, position, active, reach, layer_cache)
     cache.append(layer_cache)
   logits = model.logits(model.final_norm(x))  # [S, V] float32
-  uniform = jnp.take_along_axis(slots.uniforms, jnp.minimum(slots.step, n - 1)[:, None], axis=1)[:, 0]  # [S]
   tok, logp, ent = sample(logits, uniform, ctl.temperature, ctl.top_p, greedy=spec.greedy, top_k=spec.top_k,
                           nucleus=spec.nucleus)
-  column = jnp.where(active, slots.step, n)  # n: out of range, no write
-  record = lambda full, part: _set_rows(full, column, part, axis=1)
   stop = jnp.any(tok[:, None] == ctl.stop_ids[None, :], axis=1)
   step = slots.step + active.astype(jnp.int32)
-  return state.replace(slots=slots.replace(
-      cache=cache, length=position + active.astype(jnp.int32), last_token=jnp.where(active, tok, slots.last_token),
-      step=step, done=slots.done | (active & (stop | (step >= n))), tokens=record(slots.tokens, tok),
-      logprobs=record(slots.logprobs, logp), entropies=record(slots.entropies, ent)))
+  slots = slots.replace(cache=cache, length=position + active.astype(jnp.int32),
+                        last_token=jnp.where(active, tok, slots.last_token), step=step,
+                        done=slots.done | (active & (stop | (step >= n))))
+  return state.replace(slots=slots), (tok, logp, ent)
 
 
 def _decode_chunk(spec: EngineSpec, params: Any, state: EngineState,
                   exit_when_done: jax.Array) -> tuple[EngineState, jax.Array]:
   """Up to spec.chunk_steps decode steps; stops early once every slot is done, or once at least `exit_when_done`
-  slots are (the host has queued rows for them). Returns the state and the number of steps run."""
+  slots are (the host has queued rows for them). Returns the state and the number of steps run.
+
+  Step j of the chunk works on columns of [S, chunk_steps] buffers, the same column j for every slot: a slot live
+  at step j was live at every step before it (no row enters during a chunk), so its column j is its own column
+  step + j of the [S, N] arrays. Its draws are gathered into such a buffer once before the loop, and its sampled
+  tokens (log-probs, entropies) are written to buffers with a dynamic_update_slice and into the outputs once after
+  it. Read and written at each row's own column instead, they cost a gather and three scatters a step.
+  """
   TRACE_COUNTS["decode"] += 1
+  width = spec.chunk_steps
+  rows = state.slots.done.shape[0]
+  start = state.slots.step  # [S] each slot's column of its first token of this chunk
+  offset = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, chunk]
+  draws = _constrain(spec.mesh, jnp.take_along_axis(
+      state.slots.uniforms, jnp.minimum(start[:, None] + offset, spec.max_new_tokens - 1), axis=1))  # [S, chunk]
 
   def cond(carry: tuple) -> jax.Array:
-    steps, s = carry
+    steps, s, _ = carry
     done = s.slots.done
-    return (steps < spec.chunk_steps) & ~jnp.all(done) & (jnp.sum(done.astype(jnp.int32)) < exit_when_done)
+    return (steps < width) & ~jnp.all(done) & (jnp.sum(done.astype(jnp.int32)) < exit_when_done)
 
   def body(carry: tuple) -> tuple:
-    steps, s = carry
-    return steps + 1, _decode_step(spec, nnx.merge(spec.graphdef, params), s)
+    steps, s, buffers = carry
+    uniform = jax.lax.dynamic_index_in_dim(draws, steps, axis=1, keepdims=False)  # [S]
+    s, sampled = _decode_step(spec, nnx.merge(spec.graphdef, params), s, uniform)
+    buffers = tuple(jax.lax.dynamic_update_slice_in_dim(b, x[:, None].astype(b.dtype), steps, axis=1)
+                    for b, x in zip(buffers, sampled))
+    return steps + 1, s, buffers
 
-  steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-  return state, steps
+  slots = state.slots
+  empty = tuple(_constrain(spec.mesh, jnp.zeros((rows, width), x.dtype))
+                for x in (slots.tokens, slots.logprobs, slots.entropies))
+  steps, state, buffers = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, empty))
+  slots = state.slots
+  columns = jnp.where(offset < (slots.step - start)[:, None], start[:, None] + offset, spec.max_new_tokens)
+  flush = jax.vmap(lambda row, index, value: row.at[index].set(value, mode="drop"))  # out-of-range: dropped
+  tokens, logprobs, entropies = (flush(full, columns, b) for full, b in
+                                 zip((slots.tokens, slots.logprobs, slots.entropies), buffers))
+  return state.replace(slots=slots.replace(tokens=tokens, logprobs=logprobs, entropies=entropies)), steps
 
 
 def _compact(spec: EngineSpec, state: EngineState, keep: jax.Array) -> EngineState:

@@ -41,7 +41,9 @@ def _group_prompts(groups: int = 6, samples: int = 4, seed: int = 1) -> list[lis
 
 
 def test_segment_bounds_cover_the_capacity():
-  assert engine.segment_bounds(544) == ((0, 64), (64, 64), (128, 128), (256, 256), (512, 32))
+  assert engine.segment_bounds(544) == ((0, 64), (64, 64), (128, 128), (256, 288))  # a 32-slot tail joins
+  assert engine.segment_bounds(80) == ((0, 80),)
+  assert engine.segment_bounds(600) == ((0, 64), (64, 64), (128, 128), (256, 256), (512, 88))
   assert engine.segment_bounds(2000) == ((0, 64), (64, 64), (128, 128), (256, 256), (512, 512), (1024, 512),
                                          (1536, 464))
   assert engine.segment_bounds(40) == ((0, 40),)
