@@ -1,5 +1,4 @@
 """The KV-cache sampler: cache vs recompute, stop tokens, sampling distributions, recompilation, sharding."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +8,7 @@ import scipy.stats
 from flax import nnx
 
 import hf_greedy
+import two_processes
 from jaxrlvr import sampling
 from jaxrlvr import scoring
 from jaxrlvr.models import ModelConfig, Transformer
@@ -236,53 +236,14 @@ def test_greedy_equals_transformers(kind, tmp_path):
   assert np.all(out.tokens[:, stopped.shape[1]:] == 0)
 
 
-_WORKER = r"""
-import json, os, sys
-import jax
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
-from jaxrlvr import parallel, sampling
-from flax import nnx
-from jaxrlvr.models import ModelConfig, Transformer
-import numpy as np
-mesh = parallel.make_mesh(data=4, fsdp=1, tensor=2)  # 8 devices, 4 per process
-graphdef, state = nnx.split(Transformer(ModelConfig(**json.loads(sys.argv[4])), rngs=nnx.Rngs(0)))
-replicated = parallel.replicated(mesh)  # the same weights in every process: global arrays from the local copies
-state = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)), state)
-model = nnx.merge(graphdef, state)
-prompts = json.loads(sys.argv[3])
-out = sampling.generate(model, prompts, max_new_tokens=5, rng=jax.random.key(0), temperature=1.0, mesh=mesh)
-print("TOKENS", json.dumps(out.tokens.tolist()))
-"""
-
-
 @pytest.mark.slow
 def test_two_processes_each_get_their_own_rows(model, tmp_path):
   """Multi-host: 2 CPU processes with different prompt counts and lengths; each gets back its own rows.
 
   Process 0 pads its 3 prompts to 4 rows (2 batch shards each), so process 1's prompts are global rows 4 and 5; a
   single process sampling the same global layout (same key, row keys by global row) gives the same tokens."""
-  import json
-  import os
-  import socket
-  import subprocess
-  import sys
-
   prompts = [[[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [10]], [[20, 21], [30, 31, 32]]]
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    address = f"localhost:{s.getsockname()[1]}"
-  script = tmp_path / "worker.py"
-  script.write_text(_WORKER)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  config = json.dumps(dataclasses.asdict(_CONFIG))
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), address, json.dumps(prompts[i]), config], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=300) for p in procs]
-  for p, (stdout, stderr) in zip(procs, outs):
-    assert p.returncode == 0, stderr[-3000:]
-  got = [json.loads(next(l for l in stdout.splitlines() if l.startswith("TOKENS"))[7:]) for stdout, _ in outs]
-
+  got = two_processes.sample_in_two_processes(tmp_path, _CONFIG, prompts, max_new_tokens=5, temperature=1.0)
   expected = sampling.generate(model, prompts[0] + [[0]] + prompts[1], max_new_tokens=5, rng=jax.random.key(0),
                                temperature=1.0).tokens
   np.testing.assert_array_equal(np.asarray(got[0]), expected[:3])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import two_processes
 from configs import grpo
 from jaxrlvr import config_lib
 from jaxrlvr import parallel
@@ -165,53 +166,16 @@ def test_bad_limits_name_the_argument(model, name):
     config_lib.validate(config)
 
 
-_WORKER = r"""
-import json, sys
-import jax
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
-from flax import nnx
-import numpy as np
-from jaxrlvr import parallel, sampling
-from jaxrlvr.models import ModelConfig, Transformer
-mesh = parallel.make_mesh(data=4, fsdp=1, tensor=2)  # 8 devices, 4 per process: 2 batch shards each
-graphdef, state = nnx.split(Transformer(ModelConfig(**json.loads(sys.argv[4])), rngs=nnx.Rngs(0)))
-replicated = parallel.replicated(mesh)
-state = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)), state)
-model = nnx.merge(graphdef, state)
-out = sampling.generate(model, json.loads(sys.argv[3]), max_new_tokens=5, rng=jax.random.key(0), temperature=1.0,
-                        mesh=mesh, max_rows_per_device=2, prefill_rows_per_device=1, prefill_chunk_tokens=8)
-print("TOKENS", json.dumps(out.tokens.tolist()))
-"""
-
-
 @pytest.mark.slow
 def test_two_processes_split_their_own_rows(model, tmp_path):
   """Multi-host: process 0 has 5 prompts (6 rows padded), process 1 has 2; at 2 rows a shard both make the same 2
   calls of 4 rows (process 1's second is all padding), prefilled a row of each device at a time. Each gets its rows
   with the samples of one process sampling the unsplit global layout (process 1's rows are global rows 6 and 7)."""
-  import dataclasses
-  import json
-  import os
-  import socket
-  import subprocess
-  import sys
-
   prompts = [[[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [10], [7, 7], [40, 41, 42, 43]],
              [[20, 21], [30, 31, 32]]]
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    address = f"localhost:{s.getsockname()[1]}"
-  script = tmp_path / "worker.py"
-  script.write_text(_WORKER)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  config = json.dumps(dataclasses.asdict(_CONFIG))
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), address, json.dumps(prompts[i]), config], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=300) for p in procs]
-  for p, (_, stderr) in zip(procs, outs):
-    assert p.returncode == 0, stderr[-3000:]
-  got = [json.loads(next(l for l in stdout.splitlines() if l.startswith("TOKENS"))[7:]) for stdout, _ in outs]
+  got = two_processes.sample_in_two_processes(tmp_path, _CONFIG, prompts, max_new_tokens=5, temperature=1.0,
+                                              max_rows_per_device=2, prefill_rows_per_device=1,
+                                              prefill_chunk_tokens=8)
   expected = sampling.generate(model, prompts[0] + [[0]] + prompts[1], max_new_tokens=5, rng=jax.random.key(0),
                                temperature=1.0).tokens
   np.testing.assert_array_equal(np.asarray(got[0]), expected[:5])
