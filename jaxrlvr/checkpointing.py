@@ -124,8 +124,11 @@ class Checkpointer:
 
   def __init__(self, workdir: str, *, keep: int = 2):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    # Synchronous saves: `save` waits for each checkpoint anyway (below), and an asynchronous manager counts that
+    # wait as the next save's "waiting for previous save", warning on every save of a loaded machine.
     self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                             enable_async_checkpointing=False))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
