@@ -317,7 +317,8 @@ def _attend(q: jax.Array, keys: tuple, values: tuple, segments: tuple, position:
 
 def _set_rows(full: jax.Array, index: jax.Array, value: jax.Array, axis: int) -> jax.Array:
   """full[r, ..., index[r], ...] = value[r] (index along `axis` of full, counted with the row dim) for every row r
-  whose index lies in [0, size); rows with an index out of range keep their values (the write is dropped).
+  whose index lies in [0, size); rows with an index out of range keep their values (the write is dropped). With
+  index [S, M] and value [S, M, ...], each row writes its M entries the same way.
 
   Written per row (vmap of an indexed update: a scatter with a batch dimension, which each device runs on its own
   rows) rather than as one scatter over (row, index) pairs: under a mesh the partitioner all-gathered such a
@@ -428,9 +429,8 @@ def _decode_chunk(spec: EngineSpec, params: Any, state: EngineState,
                 for x in (slots.tokens, slots.logprobs, slots.entropies))
   steps, state, buffers = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, empty))
   slots = state.slots
-  columns = jnp.where(offset < (slots.step - start)[:, None], start[:, None] + offset, spec.max_new_tokens)
-  flush = jax.vmap(lambda row, index, value: row.at[index].set(value, mode="drop"))  # out-of-range: dropped
-  tokens, logprobs, entropies = (flush(full, columns, b) for full, b in
+  columns = jnp.where(offset < (slots.step - start)[:, None], start[:, None] + offset, -1)  # -1: not written
+  tokens, logprobs, entropies = (_set_rows(full, columns, b, axis=1) for full, b in
                                  zip((slots.tokens, slots.logprobs, slots.entropies), buffers))
   return state.replace(slots=slots.replace(tokens=tokens, logprobs=logprobs, entropies=entropies)), steps
 

@@ -13,6 +13,7 @@ import pytest
 from jaxrlvr import checkpointing
 from jaxrlvr import config_lib
 from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import parallel
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 600
@@ -156,7 +157,6 @@ def test_a_bad_multi_process_setting_names_it(tmp_path, flags, env, words):
 
 
 def test_a_coordinator_without_a_valid_process_count_or_id_names_them(monkeypatch):
-  from jaxrlvr import parallel
   for name in ("JAXRLVR_COORDINATOR", "JAXRLVR_NUM_PROCESSES", "JAXRLVR_PROCESS_ID"):
     monkeypatch.delenv(name, raising=False)
   with pytest.raises(config_lib.ConfigError, match="needs --num_processes"):
