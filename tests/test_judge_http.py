@@ -12,6 +12,7 @@ from jaxrlvr.rewards.judge_prompts import JudgeRequest
 
 _TIMEOUT_S = 0.3
 _SLOW_S = 1.0  # well past the timeout
+_HOLD_WAIT_S = 2.0
 
 
 class _Server:
@@ -25,7 +26,7 @@ class _Server:
     self.max_holding = 0
     self.bodies = []
     self.auth = []
-    self.lock = threading.Lock()
+    self.lock = threading.Condition()
     state = self
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -50,11 +51,15 @@ class _Server:
             time.sleep(_SLOW_S)
           if key == "HOLD":
             # Counted only while held, and released before the reply is sent: the client cannot start its next
-            # request until this reply arrives, so the count cannot race with the client.
+            # request until this reply arrives, so the count cannot race with the client. A held request waits
+            # (up to _HOLD_WAIT_S) for a second one, so a bounded client reaches its bound however loaded the
+            # machine is, and one that is not bounded shows more.
             with state.lock:
               state.holding += 1
               state.max_holding = max(state.max_holding, state.holding)
-            time.sleep(0.1)
+              state.lock.notify_all()
+              state.lock.wait_for(lambda: state.holding >= 2, timeout=_HOLD_WAIT_S)
+            time.sleep(0.05)
             with state.lock:
               state.holding -= 1
           if key == "DROP" and hit == 1:
@@ -152,8 +157,11 @@ def test_dropped_connection_and_5xx_are_retried_and_then_succeed(server):
 
 def test_concurrency_is_bounded_and_order_is_kept(server):
   requests = [_request(f"HOLD {i}") for i in range(6)] + [_request("MALFORMED")]
-  results = _judge(server, max_concurrency=2).score(requests)
+  # A timeout far above the hold: a try that timed out would be retried while the server still held it, and the
+  # server would count more requests than the client has in flight.
+  results = _judge(server, max_concurrency=2, timeout_s=30.0).score(requests)
   assert [r.score for r in results] == [0.75] * 6 + [None]
+  assert [r.attempts for r in results] == [1] * 7
   assert server.max_holding == 2
 
 
