@@ -70,7 +70,11 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.rollout.top_k = 0
   c.rollout.eval_temperature = 0.0
   # Memory bounds of every sampler call (rollouts, evaluation, the model judge); samples do not depend on them.
-  c.rollout.max_rows_per_device = 0  # rows a call holds per batch shard (bounds the KV cache); 0: all in one call
+  c.rollout.max_rows_per_device = 0  # rows a call holds per batch shard (bounds the KV cache); 0: kv_cache_gb decides
+  # A call's KV cache budget per device, in GB, for max_rows_per_device=0: the rows of a call are then the largest
+  # power of two whose cache fits, at the lengths the run has after command-line overrides; 0: no budget, all the
+  # rows in one call (jaxrlvr.plan_memory.rows_per_sampler_call).
+  c.rollout.kv_cache_gb = 0.0
   c.rollout.prefill_rows_per_device = 0  # rows per device the prefill runs at once (bounds its activations); 0: all
   c.rollout.prefill_chunk_tokens = 0  # prompt slots the prefill writes at once; 0: the whole prompt bucket
   # How every sampler call decodes; samples do not depend on it (float rounding aside).
@@ -223,15 +227,13 @@ def _paper_scale(c: ml_collections.ConfigDict) -> None:
   c.train.num_microbatches = 16
   # Memory (python -m jaxrlvr.plan: every method fits 8 x H100 80GB and a TPU v5p at 7-8B with fsdp=8, and the 1.5B
   # model one H100). None of this changes what is computed: batch, group size and lengths stay the paper's. A sampler
-  # call holds at most `max_rows_per_device` rows of a device: the largest power of two whose KV cache (rows x 9216
-  # slots x layers x (k, v) x kv heads x head_dim x 2 bytes) stays within 30 GB, which leaves room beside the
-  # resident state (11-20 GB) and the decode's gathered weights (15 GB at 7B) for the planner's unchecked
-  # accelerator terms: 32 rows (16.9 GB) at Qwen2.5-Math-7B, 16 (19.3 GB) at Llama-3.1-8B, 64 at Qwen2.5-Math-1.5B.
+  # call holds the largest power of two of rows a device whose KV cache (rows x 9216 slots x layers x (k, v) x kv
+  # heads x head_dim x 2 bytes) stays within 30 GB, which leaves room beside the resident state (11-20 GB) and the
+  # decode's gathered weights (15 GB at 7B) for the planner's unchecked accelerator terms: 32 rows (16.9 GB) at
+  # Qwen2.5-Math-7B, 16 (19.3 GB) at Llama-3.1-8B, 64 at Qwen2.5-Math-1.5B. It is a budget, not a row count, so that
+  # a longer --config.rollout.max_new_tokens gets fewer rows a call instead of a larger cache.
   # The prefill writes the cache 16 rows of a device and 1024 slots at a time.
-  model = models.get_preset(c.model.preset)
-  slot_bytes = model.num_layers * 2 * model.num_kv_heads * model.head_dim * 2
-  rows = int(30e9 / (slot_bytes * (c.data.max_prompt_len + c.rollout.max_new_tokens)))
-  c.rollout.max_rows_per_device = 1 << max(0, rows.bit_length() - 1)
+  c.rollout.kv_cache_gb = 30.0
   c.rollout.prefill_rows_per_device = 16
   c.rollout.prefill_chunk_tokens = 1024
   if c.model.preset == "qwen2.5-math-1.5b":

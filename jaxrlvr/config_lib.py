@@ -85,6 +85,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 is off)")
   for key in ("max_rows_per_device", "prefill_rows_per_device", "prefill_chunk_tokens"):
     _check(r[key] >= 0, f"rollout.{key}", r[key], "must be >= 0 (0: no limit)")
+  _check(r.kv_cache_gb >= 0, "rollout.kv_cache_gb", r.kv_cache_gb, "must be >= 0 (0: no budget)")
   _check(r.engine in ("static", "continuous"), "rollout.engine", r.engine, "must be 'static' or 'continuous'")
   _check(r.decode_slots >= 0, "rollout.decode_slots", r.decode_slots, "must be >= 0 (0: one slot per row)")
   _check(r.decode_chunk_steps >= 1, "rollout.decode_chunk_steps", r.decode_chunk_steps, "must be >= 1")

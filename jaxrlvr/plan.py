@@ -42,7 +42,7 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   Both are checked against XLA (the insert's prompt forward is planned as the static prefill's, which XLA:CPU
   compiles into ~1.3 GB less at 7B width: the plan is 11-19% high there).
 - Sampler call (`sampling.generate`; a step's B x K rollouts in calls of r = min(rows a device,
-  `rollout.max_rows_per_device`) rows): KV cache = L x 2 x r x S x K x H x c, the decode carry (uniforms,
+  `rows_per_sampler_call`: `rollout.max_rows_per_device`, else what `rollout.kv_cache_gb` holds) rows): KV cache = L x 2 x r x S x K x H x c, the decode carry (uniforms,
   tokens, log-probs, entropies [r, T], key mask [r, S]). Prefill: one layer's forward for a block of
   `rollout.prefill_rows_per_device` rows x `rollout.prefill_chunk_tokens` slots attending over S; when rows are
   blocked, the block's own cache (L x 2 x block rows x S x K x H x c) fills beside it and is then written into the
@@ -84,10 +84,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any, Sequence
 
 import jax
 
+from jaxrlvr import config_lib
 from jaxrlvr import plan_memory as memory_lib
 from jaxrlvr.plan_memory import (  # noqa: F401  (the planner's API, importable from here)
     ACCELERATORS, BACKENDS, CPU_MEMORY_FLAGS, GB, USABLE_FRACTION, Accelerator, Workload, batch_rows, fits,
@@ -226,9 +228,16 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 
 
 def main(argv: Sequence[str]) -> None:
-  from jaxrlvr import config_lib  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    _plan()
+  except (config_lib.ConfigError, FileNotFoundError) as e:  # a user's setting: one line, as jaxrlvr.main says it
+    sys.stderr.write(f"jaxrlvr.plan: error: {' '.join(str(e).splitlines())}\n")
+    sys.exit(2)
+
+
+def _plan() -> None:
   if _XLA.value:  # before JAX starts its CPU client (harmless elsewhere: the flags are XLA:CPU's)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_FLAGS}".strip()
   config = _CONFIG.value

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from jaxrlvr import config_lib
 from jaxrlvr import models
 from jaxrlvr import parallel
 from jaxrlvr import scoring
@@ -129,6 +130,28 @@ def model_config(config: Any) -> ModelConfig:
   return models.from_config(config)
 
 
+def rows_per_sampler_call(config: Any) -> int:
+  """The rows a sampler call holds per batch shard, the sampler's `max_rows_per_device` (0: no bound).
+
+  `rollout.max_rows_per_device` when it is set; else, with `rollout.kv_cache_gb` set, the largest power of two of
+  rows whose KV cache fits that budget: rows x (prompt bucket + max_new_tokens) slots x layers x (k, v) x kv heads x
+  head_dim x the compute dtype's bytes, for the whole model (`model_config`; kv heads counted unsplit, so with a
+  tensor axis a device holds less than the budget). Resolved from the config as the run has it, command-line
+  overrides applied: --config.rollout.max_new_tokens=16384 halves the rows instead of doubling the cache."""
+  r = config.rollout
+  if r.max_rows_per_device > 0 or not r.get("kv_cache_gb", 0):
+    return int(r.max_rows_per_device)
+  m = model_config(config)
+  slots = bucket_length(config.data.max_prompt_len) + r.max_new_tokens
+  row_bytes = m.num_layers * 2 * m.num_kv_heads * m.head_dim * jnp.dtype(m.compute_dtype).itemsize * slots
+  rows = int(r.kv_cache_gb * 1e9 // row_bytes)
+  if rows < 1:
+    raise config_lib.ConfigError(
+        f"config.rollout.kv_cache_gb={r.kv_cache_gb!r}: holds no row; one row's KV cache at {slots} slots is "
+        f"{row_bytes / 1e9:.2f} GB")
+  return 1 << (rows.bit_length() - 1)
+
+
 def param_table(cfg: ModelConfig, mesh: Any) -> list[tuple[str, tuple[int, ...], PartitionSpec, int]]:
   """(path, global shape, PartitionSpec, dtype bytes) of every parameter, from an abstract model (no memory)."""
   abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -191,7 +214,8 @@ def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", me
   engine = r.get("engine", "static") == "continuous"
   # The engine's decode slots per device (engine_scheduler.generate): decode_slots, else max_rows_per_device, else a
   # slot per row; rows beyond them queue in the same state. The static sampler: calls of max_rows_per_device rows.
-  bound = (r.get("decode_slots", 0) or r.max_rows_per_device) if engine else r.max_rows_per_device
+  max_rows = rows_per_sampler_call(config)
+  bound = (r.get("decode_slots", 0) or max_rows) if engine else max_rows
   call_rows = min(per_device, bound) if bound > 0 else per_device
   prompt_len = bucket_length(config.data.max_prompt_len)
   return Workload(

@@ -32,6 +32,7 @@ from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
+from jaxrlvr import plan_memory
 from jaxrlvr import replay
 from jaxrlvr import rewards
 from jaxrlvr import rollout
@@ -400,8 +401,9 @@ def _build_judge(config, policy_model, tokenizer, mesh):
 
 def sampler_limits(config) -> dict[str, int]:
   """The rollout.* memory bounds of every sampler call (rollouts, evaluation, the model judge), as keyword
-  arguments of `sampling.generate`."""
-  return {name: int(config.rollout[name]) for name in sampling.MEMORY_LIMITS}
+  arguments of `sampling.generate`; max_rows_per_device as `plan_memory.rows_per_sampler_call` resolves it."""
+  limits = {name: int(config.rollout[name]) for name in sampling.MEMORY_LIMITS}
+  return {**limits, "max_rows_per_device": plan_memory.rows_per_sampler_call(config)}
 
 
 def sampler_engine(config) -> dict:

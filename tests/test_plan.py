@@ -13,8 +13,10 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 
 from configs import advantage_priority, exgrpo, grpo
+from jaxrlvr import config_lib
 from jaxrlvr import parallel
 from jaxrlvr import plan
+from jaxrlvr import train
 from jaxrlvr import sampling_batches
 from jaxrlvr.models import get_preset
 from jaxrlvr.replay.storage import RolloutStore
@@ -97,7 +99,7 @@ def test_attention_terms_by_implementation():
 
 
 def test_sampler_bounds_mirror_the_sampler():
-  config = exgrpo.get_config(_7B)
+  config = _with(exgrpo.get_config(_7B), rollout__kv_cache_gb=0.0)
   mesh = parallel.make_mesh(1, 8, 1)
   for max_rows in (0, 32, 48, 200):
     _with(config, rollout__max_rows_per_device=max_rows)
@@ -106,13 +108,37 @@ def test_sampler_bounds_mirror_the_sampler():
                                         max_rows_per_device=max_rows)
     assert (w.rollout_rows * 8, w.sampler_calls) == (calls.rows, calls.count), max_rows
   # A KV cache scales with the call's rows; the prefill transient with its block, not with the call.
-  _with(config, rollout__max_rows_per_device=0)
+  _with(config, rollout__max_rows_per_device=0)  # and no kv_cache_gb
   whole = plan.plan_memory(config, (1, 8, 1))
   assert whole["kv_cache"] == 4 * 16_911_433_728  # all 128 rows a device in one call: 67.6 GB
   _with(config, rollout__max_rows_per_device=32, rollout__prefill_rows_per_device=8)
   smaller = plan.plan_memory(config, (1, 8, 1))
   _with(config, rollout__prefill_rows_per_device=16)
   assert plan.plan_memory(config, (1, 8, 1))["prefill.activations"] > smaller["prefill.activations"]
+
+
+@pytest.mark.parametrize("model, rows", [("qwen2.5-math-7b", 32), ("llama3.1-8b", 16), ("qwen2.5-math-1.5b", 64)])
+def test_the_kv_cache_budget_is_resolved_with_the_overrides(model, rows):
+  config = exgrpo.get_config(f"model={model}")
+  assert config.rollout.kv_cache_gb == 30.0 and config.rollout.max_rows_per_device == 0
+  layers, kv_heads = {"qwen2.5-math-7b": (28, 4), "llama3.1-8b": (32, 8), "qwen2.5-math-1.5b": (28, 2)}[model]
+  slot_bytes = layers * 2 * kv_heads * 128 * 2  # (k, v) x head_dim 128 x bf16
+  # The largest power of two whose cache (rows x 9216 slots) fits 30 GB; the next power of two would not.
+  assert rows * 9216 * slot_bytes <= 30e9 < 2 * rows * 9216 * slot_bytes
+  assert train.sampler_limits(config)["max_rows_per_device"] == rows
+  assert plan.workload(config, (1, 8, 1)).rollout_rows == rows
+  # Longer answers on the command line: fewer rows a call, the same budget (a precomputed row count would have
+  # kept 32 rows and doubled the cache).
+  _with(config, rollout__max_new_tokens=16384)
+  assert train.sampler_limits(config)["max_rows_per_device"] == rows // 2
+  memory = plan.plan_memory(config, (1, 8, 1))
+  assert memory["kv_cache"] == rows // 2 * (1024 + 16384) * slot_bytes <= 30e9
+  # A row count set by hand wins; a budget that holds no row is one line naming the key.
+  _with(config, rollout__max_rows_per_device=48)
+  assert train.sampler_limits(config)["max_rows_per_device"] == 48
+  _with(config, rollout__max_rows_per_device=0, rollout__kv_cache_gb=0.1)
+  with pytest.raises(config_lib.ConfigError, match=r"rollout.kv_cache_gb=0.1: holds no row; one row's KV cache"):
+    train.sampler_limits(config)
 
 
 def test_specs_from_an_abstract_mesh_equal_those_of_real_devices():
@@ -168,9 +194,9 @@ def test_shipped_paper_settings_fit_8_h100_and_v5p_for_every_method(model):
     for accelerator, mesh in (("h100", (1, 8, 1)), ("v5p", (1, 8, 1)), ("v5p", (1, 4, 1))):
       memory = plan.plan_memory(config, mesh, backend=plan.ACCELERATORS[accelerator].backend)
       assert plan.fits(memory, accelerator), (model, method, accelerator, mesh, memory["peak"] / 1e9)
-    # Without the sampler bound the KV cache of 128 rows a device would not fit an H100 (with the weights gathered
-    # for the decode).
-    _with(config, rollout__max_rows_per_device=0)
+    # Without the sampler's KV cache budget the cache of 128 rows a device would not fit an H100 (with the weights
+    # gathered for the decode).
+    _with(config, rollout__kv_cache_gb=0.0)
     assert not plan.fits(plan.plan_memory(config, (1, 8, 1), backend="gpu"), "h100"), (model, method)
 
 
@@ -238,3 +264,10 @@ def test_cli_prints_the_plan_for_the_7b_config():
       [sys.executable, "-m", "jaxrlvr.plan", f"--config=configs/exgrpo.py:{_7B}", "--mesh=1,8,1",
        "--rollout_chunks=2"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode != 0 and "rollout_chunks" in result.stderr
+  # A setting that cannot work is one line naming it, exit code 2.
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxrlvr.plan", f"--config=configs/exgrpo.py:{_7B}", "--mesh=1,8,1",
+       "--config.rollout.kv_cache_gb=0.1"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120,
+      check=False)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "jaxrlvr.plan: error: config.rollout.kv_cache_gb=0.1: holds no row" in result.stderr
