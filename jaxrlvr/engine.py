@@ -25,7 +25,8 @@ prefilled at once, Lb their length bucket, K kv heads, G query heads per kv head
 - The decoder block. `_layer_step` is `models.transformer.Block` for one token per slot with a per-row cache slot,
   written with the block's own parameters and norms; the tests hold it to the static sampler and transformers.
 - Static shapes. `insert` compiles per (S, U, Lb), `decode_chunk` and `compact` per S; nothing depends on a step.
-  Temperature, top_p, stop ids and pad_id are traced (`Controls`), so changing them does not recompile.
+  Temperature, top_p and stop ids are traced (`Controls`), so changing them does not recompile. The host fills
+  what follows a row's stop with pad_id.
 """
 from __future__ import annotations
 
@@ -97,23 +98,39 @@ class Controls:
   """The traced sampling settings: a new value does not recompile."""
   rng: jax.Array  # the run's key; row r draws from fold_in(rng, r)
   stop_ids: jax.Array  # [E] int32, -1 for unused entries
-  pad_id: jax.Array  # [] int32
   temperature: jax.Array  # [] f32
   top_p: jax.Array  # [] f32
 
 
 @struct.dataclass
 class Slots:
-  """Per decode slot (leading dim S); donated to every call, so the cache and outputs are updated in place."""
+  """Per decode slot (leading dim S); donated to every call, so the cache is updated in place. The sampled tokens
+  are not kept here: each call hands its own to the host (`Sampled`, `ChunkReport`), which assembles the rows."""
   cache: Any  # per layer {'k': (segment [S, K, L_i, H], ...), 'v': (...)}
   length: jax.Array  # [S] int32 tokens in the slot's cache = position (and cache slot) of the token fed next
   last_token: jax.Array  # [S] int32 the token fed at the next step
   step: jax.Array  # [S] int32 tokens sampled so far; the row's length once it is done
   done: jax.Array  # [S] bool the slot decodes no more (its row stopped or reached N, or it is empty)
   uniforms: jax.Array  # [S, N] f32 the row's draws
-  tokens: jax.Array  # [S, N] int32, pad_id after the stop
-  logprobs: jax.Array  # [S, N] f32, 0 after the stop
-  entropies: jax.Array  # [S, N] f32, 0 after the stop
+
+
+@struct.dataclass
+class Sampled:
+  """Tokens an insert sampled (each entry's first), or a chunk's [S, chunk] buffers (column j: step j of the chunk)."""
+  tokens: jax.Array  # int32
+  logprobs: jax.Array  # f32
+  entropies: jax.Array  # f32
+
+
+@struct.dataclass
+class ChunkReport:
+  """What the host reads of a decode chunk. Its own buffers, not the state's: the state is donated to the next call,
+  so the host can read a chunk's report while the chunk after it runs."""
+  start: jax.Array  # [S] int32 each slot's step before the chunk: its column of the row for the buffers' column 0
+  step: jax.Array  # [S] int32 its step after the chunk (columns [start, step) were sampled)
+  done: jax.Array  # [S] bool
+  steps: jax.Array  # [] int32 decode steps the chunk ran
+  sampled: Sampled  # [S, chunk] each
 
 
 @struct.dataclass
@@ -184,9 +201,7 @@ def _init(spec: EngineSpec, params: Any, num_slots: int, controls: Controls) -> 
   cache = [{kind: tuple(zeros(size) for _, size in spec.segments) for kind in ("k", "v")}
            for _ in range(c.num_layers)]
   slots = Slots(cache=cache, length=jnp.zeros((s,), jnp.int32), last_token=jnp.zeros((s,), jnp.int32),
-                step=jnp.zeros((s,), jnp.int32), done=jnp.ones((s,), bool), uniforms=jnp.zeros((s, n), jnp.float32),
-                tokens=jnp.full((s, n), controls.pad_id, jnp.int32), logprobs=jnp.zeros((s, n), jnp.float32),
-                entropies=jnp.zeros((s, n), jnp.float32))
+                step=jnp.zeros((s,), jnp.int32), done=jnp.ones((s,), bool), uniforms=jnp.zeros((s, n), jnp.float32))
   return EngineState(slots=_constrain_slots(spec.mesh, slots), controls=controls)
 
 
@@ -224,12 +239,12 @@ def _prefill(spec: EngineSpec, params: Any, ids: jax.Array, prompt_lengths: jax.
 
 
 def _insert(spec: EngineSpec, params: Any, state: EngineState, ids: jax.Array, prompt_lengths: jax.Array,
-            source: jax.Array, dest: jax.Array, row_keys: jax.Array) -> EngineState:
+            source: jax.Array, dest: jax.Array, row_keys: jax.Array) -> tuple[EngineState, Sampled]:
   """Prefills prompts and puts them into slots, each batch shard on its own: ids [shards * U, Lb] (shard d's U
   prompts in its part, right-padded, lengths [shards * U]); entry m of shard d copies its prompt source[d, m] into
   its slot dest[d, m] (an index among its S / shards slots) for row key row_keys[d, m] and samples the row's first
-  token. Entries with dest[d, m] = S / shards (out of range) are padding and dropped, so that one compiled insert
-  serves any number of rows.
+  token, returned as Sampled [shards * M] (entry (d, m) at d * M + m). Entries with dest[d, m] = S / shards (out of
+  range) are padding and dropped, so that one compiled insert serves any number of rows.
 
   Nothing crosses devices: indexing the whole batch with replicated entries instead made the partitioner keep
   copies of every slot's cache (6.45 GB of temporaries a layer at 7B on fsdp=8); per shard, as `_compact` does,
@@ -272,14 +287,11 @@ def _insert(spec: EngineSpec, params: Any, state: EngineState, ids: jax.Array, p
 
   new_cache = [{kind: put_prompt(slots.cache[i][kind], layer[kind]) for kind in ("k", "v")}
                for i, layer in enumerate(cache)]
-  first = lambda x, fill: jnp.full((x.shape[0], n), fill, x.dtype).at[:, 0].set(x)  # [shards * M, N]
   lengths = flat(per_shard(by_shard(prompt_lengths), source))  # [shards * M]
   slots = slots.replace(
       cache=new_cache, length=put(slots.length, lengths), last_token=put(slots.last_token, tok),
-      step=put(slots.step, jnp.ones_like(tok)), done=put(slots.done, stop), uniforms=put(slots.uniforms, uniforms),
-      tokens=put(slots.tokens, first(tok, ctl.pad_id)), logprobs=put(slots.logprobs, first(logp, 0.0)),
-      entropies=put(slots.entropies, first(ent, 0.0)))
-  return state.replace(slots=_constrain_slots(spec.mesh, slots))
+      step=put(slots.step, jnp.ones_like(tok)), done=put(slots.done, stop), uniforms=put(slots.uniforms, uniforms))
+  return state.replace(slots=_constrain_slots(spec.mesh, slots)), Sampled(tokens=tok, logprobs=logp, entropies=ent)
 
 
 def _attend(q: jax.Array, keys: tuple, values: tuple, segments: tuple, position: jax.Array,
@@ -369,8 +381,8 @@ def _layer_step(spec: EngineSpec, block: Any, x: jax.Array, position: jax.Array,
 def _decode_step(spec: EngineSpec, model: Any, state: EngineState,
                  uniform: jax.Array) -> tuple[EngineState, tuple]:
   """Feeds every live slot's last token and samples its next one with its draw uniform [S]; done slots only
-  recompute what they hold. Returns the state (its tokens / logprobs / entropies not yet written) and the step's
-  (token, logprob, entropy) [S] each, which `_decode_chunk` records."""
+  recompute what they hold. Returns the state and the step's (token, logprob, entropy) [S] each, which
+  `_decode_chunk` records."""
   slots, ctl = state.slots, state.controls
   n = spec.max_new_tokens
   active = ~slots.done
@@ -393,15 +405,16 @@ def _decode_step(spec: EngineSpec, model: Any, state: EngineState,
 
 
 def _decode_chunk(spec: EngineSpec, params: Any, state: EngineState,
-                  exit_when_done: jax.Array) -> tuple[EngineState, jax.Array]:
+                  exit_when_done: jax.Array) -> tuple[EngineState, ChunkReport]:
   """Up to spec.chunk_steps decode steps; stops early once every slot is done, or once at least `exit_when_done`
-  slots are (the host has queued rows for them). Returns the state and the number of steps run.
+  slots are (the host has queued rows for them). Returns the state and the chunk's report.
 
   Step j of the chunk works on columns of [S, chunk_steps] buffers, the same column j for every slot: a slot live
   at step j was live at every step before it (no row enters during a chunk), so its column j is its own column
-  step + j of the [S, N] arrays. Its draws are gathered into such a buffer once before the loop, and its sampled
-  tokens (log-probs, entropies) are written to buffers with a dynamic_update_slice and into the outputs once after
-  it. Read and written at each row's own column instead, they cost a gather and three scatters a step.
+  start + j of its row. Its draws are gathered into such a buffer once before the loop, and its sampled tokens
+  (log-probs, entropies) are written to buffers with a dynamic_update_slice, which the report hands to the host
+  (which writes a slot's columns [start, step) of its row). Read and written at each row's own column on the
+  device instead, they cost a gather and three scatters a step.
   """
   TRACE_COUNTS["decode"] += 1
   width = spec.chunk_steps
@@ -424,15 +437,13 @@ def _decode_chunk(spec: EngineSpec, params: Any, state: EngineState,
                     for b, x in zip(buffers, sampled))
     return steps + 1, s, buffers
 
-  slots = state.slots
-  empty = tuple(_constrain(spec.mesh, jnp.zeros((rows, width), x.dtype))
-                for x in (slots.tokens, slots.logprobs, slots.entropies))
+  empty = tuple(_constrain(spec.mesh, jnp.zeros((rows, width), dtype))
+                for dtype in (jnp.int32, jnp.float32, jnp.float32))
   steps, state, buffers = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, empty))
-  slots = state.slots
-  columns = jnp.where(offset < (slots.step - start)[:, None], start[:, None] + offset, -1)  # -1: not written
-  tokens, logprobs, entropies = (_set_rows(full, columns, b, axis=1) for full, b in
-                                 zip((slots.tokens, slots.logprobs, slots.entropies), buffers))
-  return state.replace(slots=slots.replace(tokens=tokens, logprobs=logprobs, entropies=entropies)), steps
+  # The report's step and done are copies: as outputs of their own they outlive the donated state.
+  report = ChunkReport(start=start, step=jnp.copy(state.slots.step), done=jnp.copy(state.slots.done), steps=steps,
+                       sampled=Sampled(*buffers))
+  return state, report
 
 
 def _compact(spec: EngineSpec, state: EngineState, keep: jax.Array) -> EngineState:

@@ -13,7 +13,9 @@ through the engine of `engine.py`:
       `compaction_sizes` (steps of 3/4 and 2/3, down to `MIN_SLOTS_PER_DEVICE` per batch shard), each shard keeping
       its own rows: the tail of a run decodes fewer rows;
     decode a chunk of up to `chunk_steps` steps; it stops early once enough slots are done for the queued rows;
-    harvest: copy the rows that are done to the outputs, and free their slots.
+    read its report: each slot's new tokens (log-probs, entropies) go to its row's outputs on the host; the rows
+      that are done are harvested and their slots freed. With the queue empty the next chunk is dispatched before
+      this report is read, so that the devices do not wait for the host.
 
 Slot s lives on shard s // (S / shards). The first fill hands the slots out in order, so a question's samples share
 a shard and one prefill; later ones round-robin over the shards, so the shards hold about the same number of live
@@ -24,7 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +91,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
       samples under any order of the prompts when its key goes with it.
     stats: if given, filled with the run's counters: row_steps (every slot of every decode step run, and the first
       token of each row), useful_row_steps (the tokens sampled), decode_steps, kv_slot_steps (cache slots the
-      decode attention read, summed over slots and steps; estimated at the end of each chunk), chunks, inserts
-      and compactions.
+      decode attention read, summed over slots and steps; estimated at the end of each chunk), chunks,
+      chunks_ahead (those dispatched before the report of the one before was read), inserts and compactions.
     on_rows_done: if given, called as rows finish, on_rows_done(rows [R], tokens [R, N], lengths [R]) (rows: their
       indices in `prompts`), each row once, while the device decodes the next chunk: reward scoring can overlap
       decoding. The rows of the last chunk come after it, before `generate` returns.
@@ -132,7 +134,6 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   fns = engine.compiled(spec)
   replicate = functools.partial(_put_replicated, mesh)  # the scalars
   controls = engine.Controls(rng=replicate(rng), stop_ids=replicate(sampling_batches.stop_array(eos_ids)),
-                             pad_id=replicate(np.asarray(pad_id, np.int32)),
                              temperature=replicate(np.asarray(temperature, np.float32)),
                              top_p=replicate(np.asarray(top_p, np.float32)))
   # Once the queue is empty a row has at most N steps left: ceil(N / chunk) chunks, so that many boundaries minus one.
@@ -146,8 +147,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   state = fns.init(params, num_slots, controls)
 
   run = _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
-             bucket=bucket, max_new_tokens=n, segments=spec.segments, bounded=bool(prefill_rows_per_device),
-             sizes=sizes)
+             bucket=bucket, max_new_tokens=n, chunk_steps=spec.chunk_steps, segments=spec.segments,
+             bounded=bool(prefill_rows_per_device), sizes=sizes)
   run.on_rows_done = on_rows_done
   run.until_done()
   if stats is not None:
@@ -177,9 +178,9 @@ def _warm_up(fns: engine.Compiled, params: Any, controls: engine.Controls, sizes
   per_shard = sizes[0] // shards
   if refill_prompts:
     padding = np.full((shards, per_shard), per_shard, np.int32)  # every entry out of range: dropped
-    state = fns.insert(params, state, by_shard(np.zeros((shards * refill_prompts, bucket), np.int32)),
-                       by_shard(np.ones((shards * refill_prompts,), np.int32)),
-                       *map(by_shard, (np.zeros_like(padding), padding, np.zeros_like(padding))))
+    state, _ = fns.insert(params, state, by_shard(np.zeros((shards * refill_prompts, bucket), np.int32)),
+                          by_shard(np.ones((shards * refill_prompts,), np.int32)),
+                          *map(by_shard, (np.zeros_like(padding), padding, np.zeros_like(padding))))
   for i, size in enumerate(sizes):
     state, _ = fns.decode_chunk(params, state, np.asarray(size + 1, np.int32))
     if i + 1 < len(sizes):
@@ -188,12 +189,19 @@ def _warm_up(fns: engine.Compiled, params: Any, controls: engine.Controls, sizes
   jax.block_until_ready(state)
 
 
+class _Chunk(NamedTuple):
+  """A dispatched decode chunk whose report the host has not read yet."""
+  report: engine.ChunkReport  # on the device
+  occupant: list[int]  # the row each slot held when it was dispatched: the report's slots are these
+  ahead: bool  # dispatched before the report of the chunk before it was read
+
+
 class _Run:
   """One `generate` call's host state: the queue, which row each slot holds, the outputs, and the loop."""
 
   def __init__(self, fns: engine.Compiled, params: Any, state: engine.EngineState, prompts: Sequence[Sequence[int]],
                keys: np.ndarray, *, pad_id: int, mesh: Any, shards: int, unique_cap: int, bucket: int,
-               max_new_tokens: int, segments: tuple, bounded: bool, sizes: Sequence[int]):
+               max_new_tokens: int, chunk_steps: int, segments: tuple, bounded: bool, sizes: Sequence[int]):
     self.fns, self.params, self.state = fns, params, state
     self.prompts, self.keys, self.pad_id = prompts, keys, pad_id
     self.mesh, self.shards, self.unique_cap, self.bucket, self.segments = mesh, shards, unique_cap, bucket, segments
@@ -203,20 +211,42 @@ class _Run:
     self.logprobs = np.zeros((rows, n), np.float32)
     self.entropies = np.zeros((rows, n), np.float32)
     self.lengths = np.zeros((rows,), np.int32)
+    self.finished = np.zeros((rows,), bool)
+    self.known_step = np.zeros((rows,), np.int32)  # a row's tokens sampled, as of the last report read
+    self.max_new_tokens, self.chunk_steps = n, chunk_steps
     self.queue = collections.deque(range(rows))
-    self.occupant = [-1] * state.slots.done.shape[0]  # the row each slot holds, -1 when free
+    self.occupant = [-1] * state.slots.done.shape[0]  # the row each slot holds, -1 when free (as the host knows)
+    self.slot_of: dict[int, int] = {}  # the slot of each row in occupant
+    self.firsts: list[tuple[np.ndarray, np.ndarray, engine.Sampled]] = []  # inserts' first tokens not yet read
     self.counters = collections.Counter()
     self.sizes = list(sizes)  # compaction_sizes: the smaller batches the live rows may move to
     self.on_rows_done: Callable | None = None
     self.pending: list[int] = []  # rows harvested but not yet handed to on_rows_done
 
   def until_done(self) -> None:
-    while self.queue or any(o >= 0 for o in self.occupant):
-      self.insert()
-      if not self.queue:
-        self.compact()
-      self.decode_and_harvest()
+    """Insert, decode a chunk, read its report, until every row is done. While rows queue, a chunk's report is read
+    before the next insert, which fills the slots it frees. Once the queue is empty the next chunk needs nothing
+    from the last one's report, so it is dispatched before that report is read: the devices do not idle while the
+    host reads it, and a compaction comes a chunk later than it could."""
+    in_flight = None  # the last chunk dispatched, its report not read
+    while in_flight is not None or self.queue or self.slot_of:
+      if in_flight is None:
+        self.insert()
+        if not self.queue:
+          self.compact()
+        in_flight = self.dispatch(ahead=False)
+      following = self.dispatch(ahead=True) if not self.queue and self.may_outlast_a_chunk() else None
+      self.hand_over()  # the devices decode (dispatch is asynchronous) while the host hands these rows over
+      self.read(in_flight)
+      if following is not None and self.slot_of:
+        self.compact()  # applies to the state after `following`
+      in_flight = following
     self.hand_over()
+
+  def may_outlast_a_chunk(self) -> bool:
+    """Whether a row may still be live after the chunk in flight, which runs at most chunk_steps steps (the host
+    knows the rows' steps as of the report before it)."""
+    return any(self.known_step[row] + self.chunk_steps < self.max_new_tokens for row in self.slot_of)
 
   def hand_over(self) -> None:
     """The rows harvested since the last call, to `on_rows_done`."""
@@ -266,16 +296,19 @@ class _Run:
       dest = np.full((shards, per_shard), per_shard, np.int32)
       entry_keys = np.zeros((shards, per_shard), np.int32)
       used = [0] * shards
+      at = []  # each entry's index in the insert's first tokens [shards * S / shards]: d * (S / shards) + m
       for row, slot in entries:
         d = slot // per_shard
         m = used[d]
         source[d, m], dest[d, m] = distinct[d][tuple(self.prompts[row])], slot % per_shard
         entry_keys[d, m] = self.keys[row]
         used[d] += 1
-        occupant[slot] = row
+        at.append(d * per_shard + m)
+        occupant[slot], self.slot_of[row], self.known_step[row] = row, slot, 1
       by_shard = functools.partial(_put_by_shard, self.mesh)
-      self.state = self.fns.insert(self.params, self.state, by_shard(ids.reshape(shards * cap, -1)),
-                                   *map(by_shard, (prompt_lengths.reshape(-1), source, dest, entry_keys)))
+      self.state, first = self.fns.insert(self.params, self.state, by_shard(ids.reshape(shards * cap, -1)),
+                                          *map(by_shard, (prompt_lengths.reshape(-1), source, dest, entry_keys)))
+      self.firsts.append((np.asarray([row for row, _ in entries]), np.asarray(at), first))  # read with a report
       self.counters["inserts"] += 1
       self.counters["row_steps"] += len(entries)  # each entering row samples its first token
 
@@ -297,38 +330,56 @@ class _Run:
       keep[d] = np.asarray(live[d] + spare[:per_new - len(live[d])]) - d * per_old
     self.state = self.fns.compact(self.state, _put_replicated(self.mesh, keep))
     self.occupant = [self.occupant[d * per_old + int(keep[d, j])] for d in range(shards) for j in range(per_new)]
+    self.slot_of = {row: slot for slot, row in enumerate(self.occupant) if row >= 0}
     self.counters["compactions"] += 1
     self.compact()  # the next level, if the rows fit it too
 
-  def decode_and_harvest(self) -> None:
-    """One decode chunk; then the rows that are done go to the outputs and their slots are freed."""
-    occupant, size = self.occupant, len(self.occupant)
-    free_now = sum(o < 0 for o in occupant)
+  def dispatch(self, *, ahead: bool) -> _Chunk:
+    """Dispatches one decode chunk (asynchronously: this returns before it runs)."""
+    size = len(self.occupant)
+    free_now = sum(o < 0 for o in self.occupant)
     # With rows queued, stop the chunk once enough slots are done to be worth an insert.
     exit_when_done = free_now + max(1, min(len(self.queue), size // 8)) if self.queue else size + 1
-    self.state, steps = self.fns.decode_chunk(self.params, self.state, np.asarray(exit_when_done, np.int32))
-    self.hand_over()  # the device decodes the chunk (dispatch is asynchronous) while the host handles these rows
-    done, step, steps = jax.device_get((self.state.slots.done, self.state.slots.step, steps))
-    steps = int(steps)
+    self.state, report = self.fns.decode_chunk(self.params, self.state, np.asarray(exit_when_done, np.int32))
+    self.counters["chunks_ahead"] += int(ahead)
+    return _Chunk(report=report, occupant=list(self.occupant), ahead=ahead)
+
+  def read(self, chunk: _Chunk) -> None:
+    """Reads a chunk's report (and the first tokens of the inserts before it): each slot's new columns go to its
+    row's outputs, and the rows that are done are harvested and their slots freed."""
+    firsts, self.firsts = self.firsts, []
+    report, first_tokens = jax.device_get((chunk.report, [first for _, _, first in firsts]))
+    for (rows, at, _), first in zip(firsts, first_tokens):
+      self.tokens[rows, 0], self.logprobs[rows, 0], self.entropies[rows, 0] = (
+          first.tokens[at], first.logprobs[at], first.entropies[at])
+    steps, size = int(report.steps), len(chunk.occupant)
     self.counters["row_steps"] += steps * size
     self.counters["decode_steps"] += steps
     self.counters["chunks"] += 1
+    occupant = np.asarray(chunk.occupant)
+    slots = np.flatnonzero(occupant >= 0)
+    slots = slots[~self.finished[occupant[slots]]]  # rows a report before this one harvested are done
+    rows = occupant[slots]
     # The cache slots the chunk's attention read, about: every slot of the segments up to the furthest live row.
-    reach = max([len(self.prompts[occupant[s]]) + int(step[s]) - 1 for s in range(size) if occupant[s] >= 0] or [0])
+    reach = max([len(self.prompts[row]) + int(report.step[s]) - 1 for s, row in zip(slots, rows)] or [0])
     visited = next(start + length for start, length in self.segments if reach < start + length)
     self.counters["kv_slot_steps"] += steps * size * visited
-    finished = [s for s in range(size) if occupant[s] >= 0 and done[s]]
-    if not finished:
-      if steps == 0:
-        raise RuntimeError("engine_scheduler.py: a decode chunk made no progress")  # a scheduler bug, never expected
-      return
-    slot_tokens, slot_logprobs, slot_entropies = jax.device_get(
-        (self.state.slots.tokens, self.state.slots.logprobs, self.state.slots.entropies))
-    for s in finished:
-      row = occupant[s]
-      self.tokens[row], self.logprobs[row], self.entropies[row] = slot_tokens[s], slot_logprobs[s], slot_entropies[s]
-      self.lengths[row] = step[s]
-      occupant[s] = -1
+    # Slot s sampled its row's columns [start, step) as the chunk's columns [0, step - start).
+    start, step = report.start[slots], report.step[slots]
+    offset = np.arange(report.sampled.tokens.shape[1])
+    new = offset[None, :] < (step - start)[:, None]  # [slots, chunk]
+    where = (np.broadcast_to(rows[:, None], new.shape)[new], (start[:, None] + offset[None, :])[new])
+    for out, buffer in ((self.tokens, report.sampled.tokens), (self.logprobs, report.sampled.logprobs),
+                        (self.entropies, report.sampled.entropies)):
+      out[where] = buffer[slots][new]
+    self.known_step[rows] = step
+    done = rows[report.done[slots]]
+    if not len(done) and steps == 0 and not chunk.ahead:
+      raise RuntimeError("engine_scheduler.py: a decode chunk made no progress")  # a scheduler bug, never expected
+    self.finished[done] = True
+    self.lengths[done] = self.known_step[done]
+    for row in done.tolist():
+      self.occupant[self.slot_of.pop(row)] = -1
       self.pending.append(row)
 
 

@@ -35,19 +35,20 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   parameters, the batch and its two [rows, T] f32 outputs, one layer's forward at its MLP (3 [b, S, F] + 2
   [b, S, D] arrays in c) + the attention's forward transient, the gathered weights, 3 logits chunks.
 - With `rollout.engine="continuous"` (`engine.py`): one state of r = `decode_slots` (else `max_rows_per_device`,
-  else all rows) slots a device for the whole step, the same cache and carry (no key mask); its prefill holds
-  the prompts' own cache (L x 2 x U x P x K x H x c, U = `prefill_rows_per_device` or r distinct prompts) beside
-  one layer's forward over P; with `decode_weights="replicated"` both phases read a copy of every parameter with
-  the batch axes dropped, in c (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident.
-  Both are checked against XLA (the insert's prompt forward is planned as the static prefill's, which XLA:CPU
-  compiles into ~1.3 GB less at 7B width: the plan is 11-19% high there).
+  else all rows) slots a device for the whole step, the same cache, and of the carry only the uniforms [r, T] (the
+  chunks hand their tokens to the host); its prefill holds the prompts' own cache (L x 2 x U x P x K x H x c,
+  U = `prefill_rows_per_device` or r distinct prompts) beside one layer's forward over P; with
+  `decode_weights="replicated"` both phases read a copy of every parameter with the batch axes dropped, in c
+  (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident. Both are checked against XLA (the
+  insert's prompt forward is planned as the static prefill's, which XLA:CPU compiles into ~1.3 GB less at 7B
+  width: the plan is 11-19% high there).
 - Sampler call (`sampling.generate`; a step's B x K rollouts in calls of r = min(rows a device,
-  `rows_per_sampler_call`: `rollout.max_rows_per_device`, else what `rollout.kv_cache_gb` holds) rows): KV cache = L x 2 x r x S x K x H x c, the decode carry (uniforms,
-  tokens, log-probs, entropies [r, T], key mask [r, S]). Prefill: one layer's forward for a block of
-  `rollout.prefill_rows_per_device` rows x `rollout.prefill_chunk_tokens` slots attending over S; when rows are
-  blocked, the block's own cache (L x 2 x block rows x S x K x H x c) fills beside it and is then written into the
-  call's, copying one k or v of it; + the [r, V] f32 logits of the last position. Decode: one token a row:
-  attention over S slots and the sampler's 4 [r, V] f32.
+  `rows_per_sampler_call`: `rollout.max_rows_per_device`, else what `rollout.kv_cache_gb` holds) rows): KV cache =
+  L x 2 x r x S x K x H x c, the decode carry (uniforms, tokens, log-probs, entropies [r, T], key mask [r, S]).
+  Prefill: one layer's forward for a block of `rollout.prefill_rows_per_device` rows x
+  `rollout.prefill_chunk_tokens` slots attending over S; when rows are blocked, the block's own cache (L x 2 x block
+  rows x S x K x H x c) fills beside it and is then written into the call's, copying one k or v of it; + the [r, V]
+  f32 logits of the last position. Decode: one token a row: attention over S slots and the sampler's 4 [r, V] f32.
 - Attention transient (`models/attention.py`, "auto" resolved as `attention.resolve` does for the backend):
   xla: f32 scores and probabilities + compute-dtype probabilities [b, N, T, S] and the [b, T, S] mask (twice in
   the backward); blockwise: s and p of one [b, N, bq, bk] f32 block and the f32 output accumulator forward; s, p,

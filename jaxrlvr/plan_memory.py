@@ -339,9 +339,12 @@ def kv_cache_bytes(w: Workload) -> int:
 
 
 def _loop_state_bytes(w: Workload) -> int:
-  """The decode carry besides the cache: uniforms, tokens, log-probs, entropies [r, T]; the static sampler's key mask
-  [r, S] (the engine's slots hold their lengths instead)."""
-  return w.rollout_rows * (4 * w.completion_len * 4 + (0 if w.engine else w.seq_len * 4))
+  """The decode carry besides the cache: the static sampler's uniforms, tokens, log-probs, entropies [r, T] and key
+  mask [r, S]; the engine's slots hold only the uniforms [r, T] (its chunks hand their tokens to the host in
+  [r, chunk] buffers, too small to count) and their lengths instead of a mask."""
+  if w.engine:
+    return w.rollout_rows * w.completion_len * 4
+  return w.rollout_rows * (4 * w.completion_len * 4 + w.seq_len * 4)
 
 
 def _sampler_weights(w: Workload, wt: dict[str, int], *, layers: int) -> dict[str, int]:

@@ -156,7 +156,6 @@ def _engine_phases(config: Any, w: plan_memory.Workload, mesh: Any, graphdef: An
   key = jax.eval_shape(lambda: jax.random.key(0))
   controls = engine.Controls(rng=_abstract(key.shape, key.dtype, replicated),
                              stop_ids=_abstract((4,), jnp.int32, replicated),
-                             pad_id=_abstract((), jnp.int32, replicated),
                              temperature=_abstract((), jnp.float32, replicated),
                              top_p=_abstract((), jnp.float32, replicated))
   slots = w.rollout_rows * w.batch_shards

@@ -114,7 +114,9 @@ def test_a_rows_samples_do_not_depend_on_slots_or_order(model, small_segments):
     if slots < len(prompts):
       assert stats["inserts"] > 1  # queued rows entered freed slots
     else:
-      assert stats["compactions"] >= 1
+      # No queue: each chunk is dispatched before the last one's report is read, and the compactions come while a
+      # chunk is in flight (their rows still sample what the other slot counts sample, below).
+      assert stats["compactions"] >= 1 and stats["chunks_ahead"] >= stats["compactions"]
   lengths = runs[64].lengths
   assert len(set(lengths.tolist())) > 3  # a spread of lengths, so entry times differ
   order = np.random.RandomState(0).permutation(len(prompts))
@@ -258,7 +260,7 @@ def _collectives(mesh, params, graphdef) -> set:
   fns = engine.compiled(spec)
   replicated = lambda x: jax.device_put(x, parallel.replicated(mesh))
   controls = engine.Controls(rng=replicated(jax.random.key(0)), stop_ids=replicated(np.full(4, -1, np.int32)),
-                             pad_id=replicated(np.int32(0)), temperature=replicated(np.float32(1)),
+                             temperature=replicated(np.float32(1)),
                              top_p=replicated(np.float32(1)))
   state = fns.init(params, 16, controls)
   text = fns.decode_chunk.lower(params, state, np.int32(17)).compile().as_text()

@@ -29,6 +29,7 @@ from configs import exgrpo
 from jaxrlvr import parallel, plan_memory, plan_xla
 config = exgrpo.get_config("model=qwen2.5-math-7b")
 config.unlock()
+config.rollout.max_rows_per_device = plan_memory.rows_per_sampler_call(config)
 config.model.compute_dtype = "float32"
 mesh = parallel.make_mesh(1, 8, 1)
 out = {}
@@ -48,6 +49,9 @@ _ENGINE_PHASES = ("prefill", "decode")  # the engine's insert (its prefill) and 
 def _config():
   config = exgrpo.get_config("model=qwen2.5-math-7b")
   config.unlock()
+  # The rows a call holds in a bfloat16 run (the KV cache budget's 32), kept at float32 compute: in float32 the
+  # same budget would hold 16.
+  config.rollout.max_rows_per_device = plan_memory.rows_per_sampler_call(config)
   config.model.compute_dtype = "float32"
   return config
 
