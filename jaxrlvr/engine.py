@@ -329,8 +329,7 @@ def _attend(q: jax.Array, keys: tuple, values: tuple, segments: tuple, position:
 
 def _set_rows(full: jax.Array, index: jax.Array, value: jax.Array, axis: int) -> jax.Array:
   """full[r, ..., index[r], ...] = value[r] (index along `axis` of full, counted with the row dim) for every row r
-  whose index lies in [0, size); rows with an index out of range keep their values (the write is dropped). With
-  index [S, M] and value [S, M, ...], each row writes its M entries the same way.
+  whose index lies in [0, size); rows with an index out of range keep their values (the write is dropped).
 
   Written per row (vmap of an indexed update: a scatter with a batch dimension, which each device runs on its own
   rows) rather than as one scatter over (row, index) pairs: under a mesh the partitioner all-gathered such a

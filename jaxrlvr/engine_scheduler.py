@@ -296,7 +296,7 @@ class _Run:
       dest = np.full((shards, per_shard), per_shard, np.int32)
       entry_keys = np.zeros((shards, per_shard), np.int32)
       used = [0] * shards
-      at = []  # each entry's index in the insert's first tokens [shards * S / shards]: d * (S / shards) + m
+      at = []  # each entry's index in the insert's first tokens [shards * M] (M = S / shards): d * M + m
       for row, slot in entries:
         d = slot // per_shard
         m = used[d]
