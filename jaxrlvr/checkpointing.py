@@ -32,7 +32,8 @@ RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every
                      # how memory is spent, not what is computed: a run that ran out of memory resumes with other
                      # bounds or another attention kernel (same math, float rounding aside)
                      "rollout.max_rows_per_device", "rollout.kv_cache_gb", "rollout.prefill_rows_per_device",
-                     "rollout.prefill_chunk_tokens", "rollout.engine", "rollout.decode_slots", "rollout.decode_chunk_steps", "rollout.decode_weights",
+                     "rollout.prefill_chunk_tokens", "rollout.engine", "rollout.decode_slots",
+                     "rollout.decode_chunk_steps", "rollout.decode_weights",
                      "model.attention", "model.attention_block_size")
 
 

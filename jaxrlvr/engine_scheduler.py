@@ -211,7 +211,6 @@ class _Run:
     self.logprobs = np.zeros((rows, n), np.float32)
     self.entropies = np.zeros((rows, n), np.float32)
     self.lengths = np.zeros((rows,), np.int32)
-    self.finished = np.zeros((rows,), bool)
     self.known_step = np.zeros((rows,), np.int32)  # a row's tokens sampled, as of the last report read
     self.max_new_tokens, self.chunk_steps = n, chunk_steps
     self.queue = collections.deque(range(rows))
@@ -358,7 +357,8 @@ class _Run:
     self.counters["chunks"] += 1
     occupant = np.asarray(chunk.occupant)
     slots = np.flatnonzero(occupant >= 0)
-    slots = slots[~self.finished[occupant[slots]]]  # rows a report before this one harvested are done
+    live = np.asarray([occupant[s] in self.slot_of for s in slots], bool)  # not harvested by an earlier report
+    slots = slots[live]
     rows = occupant[slots]
     # The cache slots the chunk's attention read, about: every slot of the segments up to the furthest live row.
     reach = max([len(self.prompts[row]) + int(report.step[s]) - 1 for s, row in zip(slots, rows)] or [0])
@@ -376,7 +376,6 @@ class _Run:
     done = rows[report.done[slots]]
     if not len(done) and steps == 0 and not chunk.ahead:
       raise RuntimeError("engine_scheduler.py: a decode chunk made no progress")  # a scheduler bug, never expected
-    self.finished[done] = True
     self.lengths[done] = self.known_step[done]
     for row in done.tolist():
       self.occupant[self.slot_of.pop(row)] = -1
