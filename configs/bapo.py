@@ -14,6 +14,9 @@ Where the paper and its released code differ:
 - X3 bounds: `replay.adaptive_bounds=False` (released code: fixed [c2, c3] = [1/8, 2/8]) or `True` (paper: the
   bounds move with the buffer's mean accuracy).
 - Rollout policy delay `replay.policy_delay=2` (v in the paper): rollouts come from the parameters of v steps ago.
+- KL: the paper's analysis assumes KL-constrained updates; the runs here have no KL term (`loss.kl_coef=0`, as the
+  released code's training script). `--config.loss.kl_coef` (with `loss.kl_estimator`) adds one to a frozen copy of
+  the starting policy.
 """
 from configs import base
 from jaxrlvr import config_lib

@@ -57,6 +57,8 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   # Every training and eval prompt is checked against this at start; the embedded task's are at most 15 tokens.
   c.data.max_prompt_len = 16
   c.data.worked_fraction = 1.0  # synthetic task only: share of train solutions that show their work (rest: bare)
+  c.data.worked_by_level = ""  # synthetic task only: that share per level, "add2=1,addsub2=0" (others: the above)
+  c.data.levels = ""  # synthetic task only: its mix, "add1x2,add2,mul2x2" (a level twice: twice as often); "": its 4
   c.data.phrasing = "compact"  # synthetic task only: "47+38", or "sentence" for chat models ("What is 47 + 38? ...")
   c.data.data_dir = ""  # tfds only: its data directory (empty: $TFDS_DATA_DIR, then ~/tensorflow_datasets)
 
@@ -102,6 +104,9 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.optim.skip_grad_norm = 500.0  # no update when the pre-clip norm is above this or not finite
+  # The run stops (exit 2, naming the step and the metric) after this many steps in a row whose loss/total or
+  # optim/grad_norm is not finite, their updates skipped: it has diverged. 0: never stop.
+  c.optim.max_nonfinite_steps = 5
 
   c.loss = ml_collections.ConfigDict()
   c.loss.scale_by_std = False  # False: Dr.GRPO advantages r - mean; True: classic GRPO
@@ -110,15 +115,18 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.loss.clip_high = 0.2
   c.loss.dual_clip = 0.0  # 0: off
   # ExGRPO's f(w) = w / (w + beta) on replayed tokens, instead of the clip; 0: off, replayed tokens take the same
-  # (clipped) loss as fresh ones, as in every other method. Only configs/exgrpo.py turns it on.
+  # loss as fresh ones (clipped as they are: in ExGRPO's mixed phase not at all), as in every other method. Only
+  # configs/exgrpo.py turns it on.
   c.loss.shaping_beta = 0.0
   c.loss.mixed_clip = False  # ExGRPO: keep clipping fresh tokens once replay is on (paper eq. 4)
   c.loss.aggregation = "dr_grpo"
   c.loss.max_len = 0  # L of dr_grpo and exgrpo_reference; 0: rollout.max_new_tokens
   # exgrpo_reference only (objectives.loss_normalizer): the width each micro-batch's sum is divided by, "max_len" (L)
-  # or "padded" (the batch's padded completion width), and the gradient-accumulation divisor (0: micro-batch count).
+  # or "padded" (the batch's padded completion width), and the gradient-accumulation divisor D. The released script
+  # divides by ppo_mini_batch_size // ppo_micro_batch_size = 64 // 64 = 1 whatever its real micro-batch count
+  # (dynamic batching), so D = 1; 0 divides by this run's micro-batch count (train.num_microbatches) instead.
   c.loss.reference_width = "max_len"
-  c.loss.reference_divisor = 0
+  c.loss.reference_divisor = 1
   c.loss.entropy_coef = 0.0
   c.loss.kl_coef = 0.0
   c.loss.kl_estimator = "k3"
@@ -128,14 +136,26 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.num_minibatches = 1  # optimizer steps per RL step
   c.train.num_microbatches = 1  # gradient accumulation inside each optimizer step
+  # Log policy/replayed_grad_share, |grad of the replayed rows' policy loss| / |grad of the loss| (a second backward
+  # pass per micro-batch; the comparison's mechanism figure).
+  c.train.replayed_grad_share = False
+  # A run from step 0 whose policy answers none of the held-out rows at step 0 and none (under 1%, chance hits) of
+  # the rollouts of its first N steps (the groups' advantages 0: RL has nothing to learn from) stops after step N
+  # with what to change, exit code 2 (train.UnsolvableWatch); 0: never stop. Only a run longer than N steps.
+  c.train.stop_if_unsolvable_steps = 8
 
   c.replay = ml_collections.ConfigDict()
   c.replay.name = "none"
 
   # Supervised warm start of a preset initialised at random, on the training rows' solutions (the embedded task's worked
-  # solutions), cached so repeated runs reuse it. Skipped, with a log line, with model.path or rows without a solution.
+  # solutions), cached so repeated runs reuse it. Skipped, with a log line, with model.path, or with rows without a
+  # solution unless embedded_fallback applies.
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 0
+  # Rows without a solution on the embedded preset and tokenizer (tiny, no tokenizer.path): warm-start on the embedded
+  # task's worked solutions instead, the same cached weights as the default command's, then RL on the rows (a model at
+  # random initialisation never finds a first correct answer). False: skip the warm start, with a log line.
+  c.warm_start.embedded_fallback = True
   c.warm_start.lr = 2e-3
   c.warm_start.batch_size = 64
   c.warm_start.cache_dir = ""  # empty: ~/.cache/jaxrlvr

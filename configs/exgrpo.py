@@ -18,23 +18,33 @@ Where the paper and its released code differ (the defaults follow the released c
   `"accuracy"` (paper text: N(k/K; 0.5, sigma) in accuracy units, nearly uniform at sigma=1); `replay.bucket_sigma`.
 - Clipping once replay is on: `loss.mixed_clip=False` (code: fresh tokens unclipped in the mixed phase) or `True`
   (paper eq. 4 keeps CLIP for fresh tokens). Replayed tokens are always shaped (`loss.shaping_beta=0.1`; 0 turns
-  shaping off and treats them like fresh tokens, the no-shaping ablation) and never clipped. The phase a batch is
+  shaping off and treats them like fresh tokens, the no-shaping ablation: -A * w, unclipped in the mixed phase unless
+  mixed_clip) and never clipped. The phase a batch is
   trained in is the one it was planned in: the step whose solve rate turns replay on is still clipped.
 - Loss normalisation: `loss.aggregation="dr_grpo"` (sum / (N x L) over the global batch; invariant to micro-batching)
   or `"exgrpo_reference"`, what the released code computes: each data-parallel rank divides every micro-batch's
   token sum by the response width and by the gradient-accumulation divisor, and the ranks' gradients are averaged,
   i.e. (global sum) / (W x R x D) with R the mesh's batch shards (data x fsdp; verl's FSDP ranks). Two details the
   code leaves to its padding and batching, as switches: `loss.reference_width="max_len"` (W = L: verl pads every
-  response to the length cap) or `"padded"` (the batch's padded completion width); `loss.reference_divisor=0` (D =
-  `train.num_microbatches`) or a fixed D (the script's ppo_mini_batch / ppo_micro_batch_size_per_gpu, which the
-  code divides by even when dynamic batching makes the real micro-batch count differ).
-- Entropy bonus: `loss.entropy_coef` (0.001 in the code's table at paper scale; absent from eq. 4).
+  response to the length cap) or `"padded"` (the batch's padded completion width); `loss.reference_divisor=1` (the
+  script's ppo_mini_batch_size // ppo_micro_batch_size = 64 // 64, which the code divides by even when dynamic
+  batching makes the real micro-batch count differ; both scale alike with the world size), a fixed D, or 0 (D =
+  `train.num_microbatches`).
+- Entropy bonus: `loss.entropy_coef` (0.001 in the code's table at paper scale; absent from eq. 4). Under
+  `exgrpo_reference` it is the code's: a token mean of each rank's micro-batch, / D, summed over micro-batches and
+  averaged over ranks (objectives.reference_entropy_term), not the policy loss's normaliser.
 - Gradient: clip to `optim.grad_clip=1.0` and skip the update when the pre-clip norm exceeds
   `optim.skip_grad_norm=500` or is not finite (code only).
 - KL: off (`loss.kl_coef=0`), as in the script; the paper does not mention one.
 - Training length: `total_steps=700` (paper) where the script runs 701.
 - Delayed start: `replay.start_solve_rate=0.35` on the batch solve rate, one-way (both); 0 starts at once (the
-  Llama setting the paper describes but the repository does not hold).
+  Llama setting the paper describes but the repository does not hold). Before the start the code stores no answer
+  and moves no bucket (`replay.store_before_start=False`; the batch that starts replay is the first one stored);
+  True fills the buffer from step 0. Retirement applies from step 0 either way.
+- A stored answer's pi_past: `replay.behaviour_logprobs="trainer"` (code: the trainer's recomputed old log-probs of
+  the batch it was born in) or `"sampler"` (the sampler's, as the paper's "log-probs of the policy that generated
+  it"). At paper scale (bfloat16 decoding) the two differ by the sampler/trainer mismatch; both are stored in
+  float16.
 - Answer selection: the lowest mean per-token entropy under the current policy among the question's stored answers.
   The released selection masks the padding instead of the answer and takes the mask from the wrong row; we do it
   right (there is no switch for the bug).
@@ -58,6 +68,8 @@ def get_config(arg: str | None = None):
   config.replay.bucket_sigma = 1.0
   config.replay.bucket_scale = "count"
   config.replay.start_solve_rate = 0.35  # replay turns on (for good) once the batch solve rate exceeds this
+  config.replay.store_before_start = False  # released code: nothing stored before replay turns on
+  config.replay.behaviour_logprobs = "trainer"  # pi_past of a stored answer: the trainer's recomputed log-probs
   config.replay.max_tokens = 0  # memory cap in stored tokens; 0: none
   config.loss.shaping_beta = 0.1  # f(w) = w / (w + beta) on replayed tokens (ExGRPO's alone; other methods clip)
   if args.smoke:

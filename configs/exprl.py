@@ -15,7 +15,9 @@ task supplies its worked solutions).
   grades segment t alone with the earlier ones as context), fully on-policy (one optimizer step per batch, as the
   paper's process runs), and segment advantages are `exprl.norm="end"` (s_t - s_T), `"delta"` (s_t - s_{t-1}, first
   s_1 - s_T) or `"group"` (s_t - mean of the group's segment scores; `exprl.group_mean` picks the mean where the
-  paper leaves it open); each token gets its segment's advantage.
+  paper leaves it open); each token gets its segment's advantage. An answer of one segment (no delimiter) has
+  advantage 0 under "end" and "delta" (s_1 - s_T with T = 1), so it trains nothing there; "group" gives it s_1 minus
+  the group mean, as the outcome variant would.
 A score that cannot be parsed removes the rollout from the loss (`judge/removed_rollouts`); a length-clipped answer
 scores 0. On the embedded CPU default (`:smoke`) the judge is the tiny policy itself: it cannot follow a judge
 prompt, so every rollout is a parse failure and removed -- that run checks the plumbing, not learning.
@@ -57,7 +59,10 @@ def get_config(arg: str | None = None):
   judge.base_url = "http://127.0.0.1:8000"
   judge.model_name = ""
   judge.timeout_s = 120.0
-  judge.max_retries = 3
+  judge.max_retries = 3  # tries after the first, with exponential backoff (1, 2, 4 s); then on_failure
+  # A request that failed every try: "skip" removes its rollout from the loss (counted in judge/request_failures),
+  # "error" stops the run with the judge's URL (exit 2).
+  judge.on_failure = "skip"
   judge.max_concurrency = 32
   judge.max_tokens = 1024
   judge.api_key_env = ""

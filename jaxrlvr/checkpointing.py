@@ -7,34 +7,46 @@ A checkpoint step directory has three items:
          and the blobs form one [P, L] uint8 array with row i on process i's first device, so each process writes
          and restores only its own row (the first 8 bytes of a row are its length, the rest zero padding);
   meta:  JSON: the step, the run's config (checked on resume), the process count P and the blob width L.
-Orbax writes each step into a temporary directory and renames it when complete (with several processes: after all
-of them finished their part), so a write that dies half-way never damages the last good checkpoint; `keep` old steps
-are kept. A checkpoint restores only with the process count that wrote it: the replay buffers and data positions are
-per host.
+Orbax writes each step into a temporary directory (`<step>.orbax-checkpoint-tmp-<n>`) and renames it when complete
+(with several processes: after all of them finished their part), so a write that dies half-way never damages the last
+good checkpoint and is never taken as the latest; a new manager removes such leftovers. `keep` old steps are kept.
+A write that fails (no space, a read-only or vanished directory) raises `CheckpointError` naming the directory; a
+latest checkpoint that cannot be read is moved to WORKDIR/checkpoints-unreadable/ and the one before it is used, and
+a run whose checkpoints are all unreadable stops rather than start over. A checkpoint restores only with the process
+count that wrote it: the replay buffers and data positions are per host.
 """
+import glob
 import io
 import json
 import os
+import re
+import shutil
 
 import jax
 import ml_collections
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrlvr import config_lib
+from jaxrlvr import faults
 from jaxrlvr import multihost
 
 # Config keys that may change when an unfinished run resumes (or a finished one is extended); any other change is
 # refused. A finished run with nothing left to do refuses every change but total_steps: it would have no effect.
 RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
                      "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size",
+                     # when a diverged run stops, or what a judge that is down does; not what a step computes
+                     "optim.max_nonfinite_steps", "exprl.judge.on_failure",
                      # how memory is spent, not what is computed: a run that ran out of memory resumes with other
                      # bounds or another attention kernel (same math, float rounding aside)
                      "rollout.max_rows_per_device", "rollout.kv_cache_gb", "rollout.prefill_rows_per_device",
                      "rollout.prefill_chunk_tokens", "rollout.engine", "rollout.decode_slots",
                      "rollout.decode_chunk_steps", "rollout.decode_weights",
-                     "model.attention", "model.attention_block_size")
+                     "model.attention", "model.attention_block_size",
+                     "train.replayed_grad_share",  # a diagnostic: the update is the same
+                     "train.stop_if_unsolvable_steps")  # watches a run from step 0 only: a resumed one ignores it
 
 
 _SEP = "::"  # nesting separator of packed host-state keys (replay state keys themselves contain '/')
@@ -120,16 +132,23 @@ def extension_note(saved: dict, current: dict, *, step: int) -> str | None:
   return note
 
 
+class CheckpointError(faults.RunError):
+  """A checkpoint that cannot be written, or no readable checkpoint left to resume from."""
+
+
 class Checkpointer:
   """Saves and restores (train state, host state, meta) under WORKDIR/checkpoints/<step>."""
 
   def __init__(self, workdir: str, *, keep: int = 2):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self.unreadable_directory = self.directory + "-unreadable"  # where checkpoints that cannot be read are moved
+    self._set_aside: list[int] = []
     # Synchronous saves: `save` waits for each checkpoint anyway (below), and an asynchronous manager counts that
     # wait as the next save's "waiting for previous save", warning on every save of a loaded machine.
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                             enable_async_checkpointing=False))
+                                                             enable_async_checkpointing=False,
+                                                             cleanup_tmp_directories=True))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -143,12 +162,22 @@ class Checkpointer:
     row[0, _LENGTH_BYTES:_LENGTH_BYTES + blob.size] = blob
     blobs = jax.make_array_from_process_local_data(_host_sharding(), row, (jax.process_count(), width))
     meta = {**meta, "num_processes": jax.process_count(), "host_bytes": width}
-    self._manager.save(step, args=ocp.args.Composite(
-        train=ocp.args.StandardSave(train_state),
-        host=ocp.args.StandardSave({"blobs": blobs}),
-        meta=ocp.args.JsonSave(meta)))
-    # Waiting keeps "checkpoint written" meaning "on disk": a SIGKILL right after must find it.
-    self._manager.wait_until_finished()
+    previous = self.latest_step()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          train=ocp.args.StandardSave(train_state),
+          host=ocp.args.StandardSave({"blobs": blobs}),
+          meta=ocp.args.JsonSave(meta)))
+      # Waiting keeps "checkpoint written" meaning "on disk": a SIGKILL right after must find it.
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except  (the disk's answer, whatever orbax wraps it in)
+      if multihost.is_main():  # the half-written temporary directory: never the latest, but it takes space
+        for partial in glob.glob(os.path.join(self.directory, f"{step}{ocp.utils.TMP_DIR_SUFFIX}*")):
+          shutil.rmtree(partial, ignore_errors=True)
+      kept = ("there is no earlier checkpoint" if previous is None
+              else f"the checkpoint of step {previous} is intact and the same command resumes from it")
+      raise CheckpointError(f"cannot write the checkpoint of step {step} in {self.directory} ({_one_line(e)}); {kept} "
+                            "once the directory can be written (free space, permissions)") from e
 
   def restore(self, step: int, abstract_train_state):
     """`abstract_train_state`: a pytree of jax.ShapeDtypeStruct with shardings (jax.eval_shape of the state).
@@ -166,6 +195,58 @@ class Checkpointer:
     row = np.asarray(restored.host["blobs"].addressable_shards[0].data)[0]  # [L]: this process's row
     size = int(np.frombuffer(row[:_LENGTH_BYTES].tobytes(), "<u8")[0])
     return restored.train, unpack_host_state(row[_LENGTH_BYTES:_LENGTH_BYTES + size]), restored.meta
+
+  def latest_readable_step(self) -> int | None:
+    """The latest step whose metadata can be read. A later one that cannot is moved aside (`set_aside`); when every
+    checkpoint was, raises CheckpointError rather than let the run start over."""
+    while (step := self.latest_step()) is not None:
+      try:
+        self.read_meta(step)
+        error = None
+      except Exception as e:  # pylint: disable=broad-except  (truncated JSON, a missing item, an I/O error)
+        error = e
+      if not multihost.agree_any(error is not None):
+        return step
+      self.set_aside(step, error or "unreadable on another process")
+    if self._set_aside:
+      raise CheckpointError(f"no readable checkpoint is left in {self.directory}: the ones of steps {self._set_aside} "
+                            f"could not be read and were moved to {self.unreadable_directory}; move back one that "
+                            "can be repaired, or start again in a new --workdir")
+    return None
+
+  def restore_readable(self, step: int, abstract_target, config: ml_collections.ConfigDict):
+    """`restore` of `step`, or of the latest earlier one that reads when it cannot be read (each checked against
+    `config` like the first); `abstract_target(meta)` gives the restore target. Returns (step, train, host)."""
+    while True:
+      try:
+        train, host, _ = self.restore(step, abstract_target(self.read_meta(step)))
+        error = None
+      except config_lib.ConfigError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except  (a truncated or missing array file)
+        error = e
+      if not multihost.agree_any(error is not None):
+        return step, train, host
+      self.set_aside(step, error or "unreadable on another process")
+      step = self.latest_readable_step()  # raises when none is left
+      self.check_config(self.read_meta(step), config, step=step)
+
+  def set_aside(self, step: int, error) -> None:
+    """Moves the checkpoint of `step` to WORKDIR/checkpoints-unreadable/ (kept, not deleted: it may be repairable)
+    and says so; every process calls it."""
+    target = os.path.join(self.unreadable_directory, str(step))
+    if multihost.is_main():
+      os.makedirs(self.unreadable_directory, exist_ok=True)
+      if os.path.exists(target):
+        target += f".{len(os.listdir(self.unreadable_directory))}"
+      shutil.move(os.path.join(self.directory, str(step)), target)
+      message = (f"the checkpoint of step {step} in {self.directory} cannot be read ({_one_line(error)}); moved it "
+                 f"to {target} and resuming from the one before it")
+      logging.warning("%s", message)
+      print(f"jaxrlvr: {message}", flush=True)
+    multihost.barrier(f"checkpoint-set-aside-{step}")
+    self._set_aside.append(step)
+    self._manager.reload()
 
   def check_processes(self, meta: dict) -> None:
     saved = meta.get("num_processes")
@@ -201,6 +282,23 @@ class Checkpointer:
 
 
 _LENGTH_BYTES = 8  # each host blob row starts with its byte count, little-endian uint64
+
+
+_OS_ERROR = re.compile(r"([A-Za-z][\w ,'-]*?) \[os_error_code='?(\d+)")  # tensorstore's "No space left on device [...]"
+
+
+def _one_line(error) -> str:
+  """The system's reason when there is one ("No space left on device, errno 28"), else `Type: first line` (orbax
+  and tensorstore errors run over many lines)."""
+  if not isinstance(error, BaseException):
+    return str(error)
+  if isinstance(error, OSError) and error.strerror:
+    return f"{error.strerror}, errno {error.errno}"
+  if match := _OS_ERROR.search(str(error)):
+    return f"{match.group(1)}, errno {match.group(2)}"
+  text = str(error).strip().splitlines()
+  first = text[0].split(" See full TensorStore details")[0][:300] if text else ""
+  return f"{type(error).__name__}: {first}".rstrip(": ")
 
 
 def _host_sharding() -> NamedSharding:

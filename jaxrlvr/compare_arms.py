@@ -9,12 +9,20 @@ the `grpo` run of its seed.
 A preset is a regime: the overrides every arm's runs get, the arms it compares by default and how many seeds. Both
 presets measure pass@k (`eval.k=8` samples per held-out question at `eval.temperature=1.0`, the rollout temperature)
 beside the greedy accuracy at every evaluation, and default to 5 seeds; they differ in the questions RL draws from:
-- `fresh`: the whole training set (20,000 questions for the embedded task): 200 steps x 16 questions draw 3,200
-  of them, so a question never comes back unless a method brings it back (the setting of the first comparison).
+- `fresh`: the whole training set (20,000 question ids for the embedded task): 200 steps x 16 questions draw 3,200
+  of them, so a question of the three addition levels never comes back unless a method brings it back (the setting
+  of the first comparison). mul1x2 is the exception: its 5,000 ids wrap around its 592 train questions, so its
+  ~800 draws land on ~456 distinct questions and ~43% of them are a question seen before.
 - `data_limited`: RL draws from the first steps x B / 4 training questions (`data.rl_train_size`; 800 for 200
   steps of 16), so the data iterator hands out each question about 4 times (GRPO; a method that replays part of its
   batch draws fewer fresh ones), as in the replay papers' multi-epoch runs. The warm start still reads the whole
   training set, so both regimes start from the same weights. Its default arms add the ablations the papers lean on.
+- `paper_shaped`: the regime where the ExGRPO paper says replay pays (Qwen2.5-Math-7B on OpenR1): a warm start
+  (`data.worked_by_level`, below) after which most training questions are solved 0 or K times of K at their first
+  visit and the rest in between, so on-policy groups often carry no signal; about two epochs of the RL train set
+  (`data.rl_train_size` = steps x B / 2); 2 optimizer steps per rollout batch (`train.num_minibatches=2`), so fresh
+  ratios leave 1 and the mixed phase's clip removal and f(w) act; and `train.replayed_grad_share` on, for the
+  mechanism figures of results.md. Its warm start differs from the other regimes' (one per seed, cached).
 """
 import dataclasses
 import importlib
@@ -45,7 +53,8 @@ class Arm:
 
 ARMS = {arm.name: arm for arm in (
     Arm("exgrpo-no_shaping", "exgrpo", ("loss.shaping_beta=0.0",),
-        doc="replayed tokens take the clipped loss of fresh ones instead of f(w) = w / (w + beta)"),
+        doc="replayed tokens take the plain loss -A * w instead of -A * f(w), f(w) = w / (w + beta): unclipped in "
+        "the mixed phase, like the fresh tokens there (loss.mixed_clip=False)"),
     Arm("exgrpo-no_delay", "exgrpo", ("replay.start_solve_rate=0.0",),
         doc="replay from the first step instead of once the batch solve rate passes 0.35"),
     Arm("exgrpo-bucket_accuracy", "exgrpo", ("replay.bucket_scale=accuracy",),
@@ -65,6 +74,12 @@ ARMS = {arm.name: arm for arm in (
         doc="the control on every training question's solution, not only those RL draws from"),
 )}
 ABLATIONS = tuple(name for name, arm in ARMS.items() if arm.kind == "rl")
+
+
+# The paper-shaped regime's warm start: the teacher always shows its work on 2-digit sums (which the model then
+# solves nearly always: K/K groups) and never on 3-digit sums and the subtraction (which it then almost never solves:
+# 0/K groups); the products keep the default 40% and stay in between.
+PAPER_SHAPED_WORKED = "add2=1,add3=0,addsub2=0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +110,14 @@ PRESETS = {p.name: p for p in (
     Preset("data_limited", "each question comes back about 4 times (data.rl_train_size = steps x B / 4); pass@8 "
            "beside greedy accuracy; the ablations as rows", arms=(*METHODS, *ABLATIONS, SFT_ARM),
            visits_per_question=4.0),
+    Preset("paper_shaped", "the regime the ExGRPO paper describes: most questions solved always or never at their "
+           "first visit, about two epochs (data.rl_train_size = steps x B / 2), 2 optimizer steps per batch; the "
+           "mechanism figures logged",
+           arms=("grpo", "exgrpo", "exgrpo-bucket_accuracy", "exgrpo-no_shaping", "advantage_priority", "bapo",
+                 SFT_ARM),
+           overrides=("eval.k=8", "eval.temperature=1.0", f"data.worked_by_level={PAPER_SHAPED_WORKED}",
+                      "train.num_minibatches=2", "train.replayed_grad_share=True"),
+           visits_per_question=2.0),
 )}
 
 

@@ -113,7 +113,26 @@ def _run_row(r: run_data.RunData, *, x: dict, budget: float, pass_metric: str | 
     visits = run_data.visit_stats(r.questions, last_step=last)
     row.update(questions=visits.questions, visits_mean=visits.visits_mean, hard_first=visits.hard_first,
                hard_solved_share=visits.hard_solved_share)
+  row.update(_mechanism(r, last))
   return row
+
+
+def _mechanism(r: run_data.RunData, last: int) -> dict:
+  """The mechanism figures of a run up to step `last` (NaN for the control, or where a run did not log them)."""
+  nan = float("nan")
+  if r.kind == "sft" or not r.questions:
+    return dict(signal_share=nan, signal_share_first=nan, questions_trained=nan, replay_top_share=nan,
+                replayed_grad_share=nan)
+  m = run_data.mechanism_stats(r.questions, last_step=last)
+  # The replayed rows' share of the gradient's norm, over the logged steps that trained replayed rows.
+  shares = [row[_GRAD_SHARE] for step, row in r.rows.items() if step <= last and _GRAD_SHARE in row
+            and row.get("policy/replayed/tokens", 0) > 0]
+  return dict(signal_share=m.signal_share, signal_share_first=m.signal_share_first,
+              questions_trained=m.questions_trained if m.questions_trained else nan,
+              replay_top_share=m.replay_top_share, replayed_grad_share=float(np.mean(shares)) if shares else nan)
+
+
+_GRAD_SHARE = "policy/replayed_grad_share"
 
 
 def summarize(runs: Sequence[run_data.RunData], *, budget_tokens: float | None = None,
@@ -176,10 +195,14 @@ _CLAIMS = (("pass_at_k", "{p} at budget", 3), ("pass_at_k_vs_baseline", "{p} - {
            ("late_std", "std of late evals", 3), ("hard_first", "questions 0/K at first visit", 0),
            ("hard_solved_share", "of those, solved later", 3),
            ("hard_solved_share_vs_baseline", "solved later - {b}", 3), ("visits_mean", "visits per question", 2))
+_MECHANISM = (("signal_share", "groups with signal", 3), ("signal_share_first", "groups with signal, steps 1-20", 3),
+              ("questions_trained", "distinct questions trained", 0),
+              ("replay_top_share", "replays to the 50 most replayed questions", 3),
+              ("replayed_grad_share", "replayed rows' share of the gradient norm", 3))
 # figure -> its difference to the baseline run of the same seed
 _PAIRED = {"final_accuracy": "accuracy_vs_baseline", "auc": "auc_vs_baseline", "pass_at_k": "pass_at_k_vs_baseline",
            "max_drop": "max_drop_vs_baseline", "hard_solved_share": "hard_solved_share_vs_baseline"}
-_STATS = tuple(dict.fromkeys(key for key, _, _ in _TABLE + _CLAIMS))
+_STATS = tuple(dict.fromkeys(key for key, _, _ in _TABLE + _CLAIMS + _MECHANISM))
 
 
 def _pm(mean: float, half: float, digits: int) -> str:
@@ -244,6 +267,15 @@ def write_results(summary: Summary, outdir: str, *, command: str = "", wall_s: f
             "(fresh, replayed, re-rolled; DIR/questions.jsonl); 'solved later' is the share of the questions with "
             "no correct answer of K at their first visit that got at least one right at a later visit.", ""]
   lines += _table(summary, _CLAIMS)
+  lines += ["", "## Mechanism", "",
+            "What replay is meant to change (DIR/questions.jsonl and metrics.jsonl, up to the budget). Groups with "
+            "signal: the share of the groups the update trained on whose advantages are not all 0 (with K samples "
+            "all right or all wrong, a group teaches nothing). Distinct questions trained: fresh, re-rolled or "
+            "replayed. Replays to the 50 most replayed questions: the share of replayed rollouts that went to "
+            "them (1.0 when fewer than 50 were replayed). Share of the gradient norm: |grad of the replayed rows' "
+            "policy loss| / |grad of the loss|, averaged over the logged steps that trained replayed rows "
+            "(train.replayed_grad_share; n/a where it was off).", ""]
+  lines += _table(summary, _MECHANISM)
   lines += ["", "## Runs", "",
             f"| run | accuracy at step 0 | accuracy at budget | gain | accuracy - {b} | {_pass_name(summary)} "
             "| AUC | largest drop | solved later | step time (s) | steps to budget | training time (s) | steps run "

@@ -105,12 +105,15 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be positive")
   _one_of(c, "optim.schedule", ("constant", "cosine"))
   _check(c.optim.skip_grad_norm > 0, "optim.skip_grad_norm", c.optim.skip_grad_norm, "must be positive")
+  _check(c.optim.get("max_nonfinite_steps", 0) >= 0, "optim.max_nonfinite_steps", c.optim.get("max_nonfinite_steps"),
+         "must be >= 0 (0: never stop)")
   _one_of(c, "tokenizer.template", TEMPLATES)
   _one_of(c, "replay.name", REPLAY_NAMES)
   if c.replay.name == "exgrpo":
     _check(0 <= c.replay.rho < 1, "replay.rho", c.replay.rho, "the replayed share of the batch must be in [0, 1)")
     _check(c.replay.bucket_sigma > 0, "replay.bucket_sigma", c.replay.bucket_sigma, "must be positive")
     _one_of(c, "replay.bucket_scale", ("count", "accuracy"))
+    _one_of(c, "replay.behaviour_logprobs", ("sampler", "trainer"))
   if c.replay.name == "advantage_priority":
     _one_of(c, "replay.composition", ("fresh_anchored", "pool"))
     _one_of(c, "replay.priority", ("abs_advantage", "group_std", "uniform"))

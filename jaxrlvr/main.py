@@ -5,7 +5,10 @@ Run from the repository root (the config files import `configs.base`). Structura
 
 A user's mistake (a ConfigError or DataError, an unknown config key, preset or config arg, a value of the wrong type,
 a --workdir that cannot be written) ends the job with one line on stderr, `jaxrlvr: error: ...`, and exit code 2;
-`--verbose` or JAXRLVR_VERBOSE=1 shows its traceback instead. Any other exception is a bug and keeps its traceback.
+`--verbose` or JAXRLVR_VERBOSE=1 shows its traceback instead. So does a run that cannot go on for a reason outside
+the code (faults.RunError: a checkpoint the disk refuses, a diverged loss; a JudgeError: an HTTP judge that refuses
+the run's key or model, or is down with exprl.judge.on_failure='error'). Any other exception is a bug and keeps
+its traceback. SIGTERM and Ctrl-C save the step in flight and exit 0 and 130 (faults.py).
 """
 import importlib.util
 import os
@@ -20,8 +23,10 @@ from ml_collections import config_flags
 
 from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
+from jaxrlvr import faults
 from jaxrlvr import logs
 from jaxrlvr import xla_cpu
+from jaxrlvr.rewards import judge as judge_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/exgrpo.py[:arg].",
                                           lock_config=True)
@@ -49,7 +54,7 @@ def main(argv):
     from jaxrlvr import train  # pylint: disable=g-import-not-at-top
     parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     train.run(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, data_lib.DataError) as e:
+  except (config_lib.ConfigError, data_lib.DataError, faults.RunError, judge_lib.JudgeError) as e:
     if _verbose():
       raise
     _fail(str(e))

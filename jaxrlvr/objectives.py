@@ -292,6 +292,27 @@ def aggregate_loss(per_token: Any, mask: Any, *, mode: str = "dr_grpo", max_len:
   return numerator / jnp.where(normalizer > 0, normalizer, 1)
 
 
+def reference_entropy_term(entropy: Any, mask: Any, *, reference_ranks: int = 1, reference_divisor: int = 1) -> Array:
+  """The released ExGRPO code's entropy bonus for one micro-batch [r, T] whose rows are `reference_ranks` blocks of
+  r / R rows, one per data-parallel rank (the batch sharding cuts rows into contiguous blocks).
+
+  Each rank takes the token mean of its rows' entropy (verl's masked_mean, 0 for a block without tokens) and
+  divides it by the gradient-accumulation divisor D; a rank sums its micro-batches and the ranks' gradients are
+  averaged, so this micro-batch adds (1/R) sum_b mean_b / D. Not the policy loss's normaliser: the bonus is a mean
+  over each micro-batch's tokens whatever the loss's aggregation.
+  """
+  entropy, mask = jnp.asarray(entropy), jnp.asarray(mask)
+  rows = entropy.shape[0]
+  if rows % reference_ranks:
+    raise ValueError(f"jaxrlvr/objectives.py: {rows} rows do not split into {reference_ranks} rank blocks")
+  dtype = compute_dtype(entropy)
+  weights = mask.astype(dtype).reshape(reference_ranks, -1)  # [R, r / R * T]
+  total = jnp.where(weights != 0, entropy.astype(dtype).reshape(reference_ranks, -1) * weights, 0).sum(-1)  # [R]
+  count = weights.sum(-1)
+  means = jnp.where(count > 0, total / jnp.where(count > 0, count, 1), 0)  # [R]
+  return means.sum() / (reference_ranks * reference_divisor)
+
+
 def sequence_mean(values: Any, mask: Any) -> Array:
   """Masked mean over the last axis: [B, T] -> [B]; 0 for a row without tokens (e.g. mean entropy per answer)."""
   values = jnp.asarray(values)
@@ -418,7 +439,7 @@ class LossSettings:
   aggregation: str = "dr_grpo"
   max_len: int | None = None  # L of dr_grpo / exgrpo_reference; config 0 means rollout.max_new_tokens
   reference_width: str = "max_len"  # exgrpo_reference: divide by L ("max_len") or the batch's padded width ("padded")
-  reference_divisor: int = 0  # exgrpo_reference: gradient-accumulation divisor D; 0: the step's micro-batch count
+  reference_divisor: int = 1  # exgrpo_reference: gradient-accumulation divisor D; 0: the step's micro-batch count
   entropy_coef: float = 0.0
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
@@ -457,7 +478,7 @@ class LossSettings:
         shaping_beta=float(loss.shaping_beta) if loss.shaping_beta else None, mixed_clip=bool(loss.mixed_clip),
         aggregation=str(loss.aggregation), max_len=int(loss.max_len or config.rollout.max_new_tokens),
         reference_width=str(loss.get("reference_width", "max_len")),
-        reference_divisor=int(loss.get("reference_divisor", 0)),
+        reference_divisor=int(loss.get("reference_divisor", 1)),
         entropy_coef=float(loss.entropy_coef), kl_coef=float(loss.kl_coef), kl_estimator=str(loss.kl_estimator),
         importance_cap=float(loss.importance_cap) if loss.importance_cap else None,
         drop_constant_groups=bool(loss.drop_constant_groups))

@@ -132,7 +132,8 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
   Returns one Group per request, in order, and host-side info (tokens sampled, reward counters).
   """
   groups: list[replay.Group | None] = [None] * len(requests)
-  info = {"rollout/sampled_tokens": 0.0, "reward/timeouts": 0.0, "reward/crashes": 0.0, "reward/not_literal": 0.0}
+  info = {"rollout/sampled_tokens": 0.0, "reward/timeouts": 0.0, "reward/crashes": 0.0, "reward/not_literal": 0.0,
+          "reward/worker_restarts": 0.0}
   for delay in sorted({r.policy_delay for r in requests}):
     indices = [i for i, r in enumerate(requests) if r.policy_delay == delay]
     prompts = [book.prompt_ids(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
@@ -147,6 +148,7 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
     info["rollout/sampled_tokens"] += float(out.lengths.sum())
     info["reward/timeouts"] += reward_info.get("timeouts", 0)
     info["reward/crashes"] += reward_info.get("crashes", 0)
+    info["reward/worker_restarts"] += reward_info.get("worker_restarts", 0)
     info["reward/not_literal"] += reward_info.get("not_literal", 0)
     row = 0
     for i in indices:
@@ -224,6 +226,18 @@ def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len:
   batch.update(advantages=advantages, behaviour_logp=behaviour, replayed=replayed,
                clip=np.full(rows, clip_fresh, bool))
   return batch
+
+
+def record_logprobs(groups: Sequence[replay.Group], logprobs: np.ndarray) -> None:
+  """Gives every new rollout of the final groups the log-probs of its batch row (`build_batch`'s order) as its
+  behaviour log-probs, in place: the trainer's recomputed ones [rows, T], which ExGRPO's released code stores as a
+  replayed answer's pi_past. Stored answers (replayed) keep what they were stored with."""
+  rollouts = [r for g in groups for r in g.rollouts]
+  if len(rollouts) > len(logprobs):
+    raise ValueError(f"record_logprobs: {len(rollouts)} rollouts but {len(logprobs)} rows of log-probs")
+  for row, r in enumerate(rollouts):
+    if not r.replayed:
+      r.logprobs = np.asarray(logprobs[row, :len(r.tokens)], np.float32).copy()
 
 
 def dense_reward_groups(groups: Sequence[replay.Group], book: PromptBook, *, completion_len: int) -> list:

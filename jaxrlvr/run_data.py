@@ -2,12 +2,14 @@
 (compare_stats.py) and its figures (plots.py) share, so that neither needs the other to read a run.
 
 Besides metrics.jsonl a run writes DIR/questions.jsonl (`append_questions`, called by the trainer at every step):
-each sampled group's question id, kind ('fresh', 'replay', 'reroll'), correct answers and samples, one line a step.
+each sampled group's question id, kind ('fresh', 'replay', 'reroll'), correct answers and samples, and of the groups
+the update trains on, how many carry signal and which questions their replayed rollouts belong to, one line a step.
 It is what the share of questions "0 of K at the first visit, solved at a later one" (`visit_stats`) is computed
 from: every method gets it, so BAPO's claim can be set against GRPO's. A few hundred bytes a step; with several
 processes host 0 writes its own groups only (a random part of the questions). A supervised control run
 (sft_control.py) writes DIR/sft_control.json, which marks its RunData as kind 'sft'.
 """
+import collections
 import dataclasses
 import functools
 import json
@@ -108,13 +110,18 @@ def load_run(workdir: str, *, method: str | None = None, seed: int | None = None
 
 
 # ------------------------------------------------------------------------------------------------ Question visits
-def append_questions(workdir: str, step: int, requests, sampled, *, threshold: float) -> None:
+def append_questions(workdir: str, step: int, requests, sampled, *, threshold: float, composed=None) -> None:
   """Appends step `step`'s sampled groups to DIR/questions.jsonl: for each request (a replay.Request) and its sampled
-  group (a replay.Group), the qid, the request's kind, the answers at or above `threshold` and the samples. A resumed
-  run writes the steps after its checkpoint again; `read_rows` keeps the last line of each step."""
+  group (a replay.Group), the qid, the request's kind, the answers at or above `threshold` and the samples. With the
+  `composed` groups the update trains on (advantages set), also how many of them carry signal (an advantage that
+  is not 0) and the question of every replayed rollout among them. A resumed run writes the steps after its
+  checkpoint again; `read_rows` keeps the last line of each step."""
   row = {"step": int(step), "qid": [int(r.qid) for r in requests], "kind": [str(r.kind) for r in requests],
          "correct": [sum(1 for x in g.rollouts if x.reward >= threshold) for g in sampled],
          "samples": [len(g.rollouts) for g in sampled]}
+  if composed is not None:
+    row.update(groups=len(composed), signal=sum(any(r.advantage for r in g.rollouts) for g in composed),
+               replayed_qids=[int(r.qid) for g in composed for r in g.rollouts if r.replayed])
   with open(os.path.join(workdir, QUESTIONS_FILE), "a", encoding="utf-8") as f:
     f.write(json.dumps(row) + "\n")
 
@@ -161,6 +168,34 @@ def visit_stats(questions: dict[int, dict], *, last_step: int | None = None) -> 
                     visits_max=int(counts.max()) if len(counts) else 0, revisited=int(np.sum(counts > 1)),
                     hard_first=len(hard), hard_revisited=sum(visits[q] > 1 for q in hard),
                     hard_solved_later=sum(q in solved_later for q in hard))
+
+
+@dataclasses.dataclass
+class MechanismStats:
+  """What replay is meant to change, from DIR/questions.jsonl's composed-batch fields: the share of trained groups
+  with signal (all steps, and the first `first_steps`), the distinct questions trained on (sampled or replayed), and
+  how concentrated replay is (the share of replayed rollouts that went to the `top` most replayed questions)."""
+  signal_share: float
+  signal_share_first: float
+  questions_trained: int
+  replayed: int
+  replay_top_share: float
+
+
+def mechanism_stats(questions: dict[int, dict], *, last_step: int | None = None, first_steps: int = 20,
+                    top: int = 50) -> MechanismStats:
+  """MechanismStats over the steps of DIR/questions.jsonl up to `last_step` (all: None); NaN where a run's file has
+  no composed-batch fields (written before they existed)."""
+  rows = [questions[s] for s in sorted(questions) if (last_step is None or s <= last_step) and "signal" in questions[s]]
+  if not rows:
+    return MechanismStats(float("nan"), float("nan"), 0, 0, float("nan"))
+  share = lambda rs: sum(r["signal"] for r in rs) / max(sum(r["groups"] for r in rs), 1)
+  trained = {q for r in rows for q in r["qid"]} | {q for r in rows for q in r["replayed_qids"]}
+  counts = np.asarray(sorted(collections.Counter(q for r in rows for q in r["replayed_qids"]).values(), reverse=True))
+  return MechanismStats(
+      signal_share=share(rows), signal_share_first=share([r for r in rows if r["step"] <= first_steps]),
+      questions_trained=len(trained), replayed=int(counts.sum()),
+      replay_top_share=float(counts[:top].sum() / counts.sum()) if len(counts) else float("nan"))
 
 
 def confidence_interval(values, confidence: float = 0.95, axis: int = 0):

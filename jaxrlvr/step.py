@@ -111,8 +111,9 @@ def token_losses(logp: jax.Array, micro: dict, settings: objectives.LossSettings
 
 
 def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives.LossSettings,
-                 temperature: float):
-  """One micro-batch's share of the optimizer step's loss, and its additive diagnostics."""
+                 temperature: float, reference_blocks: dict):
+  """One micro-batch's share of the optimizer step's loss, and its additive diagnostics. `reference_blocks`: the
+  ranks and divisor of `exgrpo_reference`'s entropy bonus (objectives.reference_entropy_term)."""
   model = nnx.merge(graphdef, params)
   logp, entropy = completion_logprobs(model, micro, temperature)  # [r, T] each
   mask = micro["completion_mask"]
@@ -123,15 +124,32 @@ def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives
   aggregate = functools.partial(objectives.aggregate_loss, mask=mask, normalizer=normalizer,
                                 **settings.aggregate_kwargs())
   policy_loss = aggregate(per_token)
-  entropy_loss = aggregate(entropy)
+  if settings.aggregation == "exgrpo_reference":  # the released code: a token mean per rank and micro-batch
+    entropy_loss = objectives.reference_entropy_term(entropy, mask, **reference_blocks)
+  else:
+    entropy_loss = aggregate(entropy)
   loss = policy_loss - settings.entropy_coef * entropy_loss
   kl_loss = jnp.zeros(())
   if settings.kl_coef > 0:
     kl_loss = aggregate(objectives.kl_penalty(logp, micro["ref_logp"], estimator=settings.kl_estimator))
     loss = loss + settings.kl_coef * kl_loss
   stats = diagnostics.policy_stats(logp, old_logp, micro["advantages"], mask, replayed=replayed, **policy_kwargs)
-  losses = {"loss/policy": policy_loss, "loss/entropy": entropy_loss, "loss/kl": kl_loss, "loss/total": loss}
+  losses = {"loss/policy": policy_loss, "loss/entropy": entropy_loss, "loss/kl": kl_loss, "loss/total": loss,
+            # The replayed rows' part of the policy loss: its gradient is what replay adds to the update.
+            "loss/replayed_policy": aggregate(per_token * replayed[:, None].astype(per_token.dtype))}
   return loss, (losses, stats)
+
+
+def _loss_and_replayed_grads(params, graphdef, micro: dict, normalizer, settings, temperature, reference_blocks):
+  """(gradient of the loss, gradient of its replayed rows' policy part, aux) from one forward pass and two
+  backward ones: the second pull of the same vjp reuses the forward's residuals."""
+  def both(p):
+    loss, aux = _policy_loss(p, graphdef, micro, normalizer, settings, temperature, reference_blocks)
+    return jnp.stack([loss, aux[0]["loss/replayed_policy"]]), aux
+
+  _, pull, aux = jax.vjp(both, params, has_aux=True)
+  (grads,), (replayed_grads,) = pull(jnp.array([1.0, 0.0])), pull(jnp.array([0.0, 1.0]))
+  return grads, replayed_grads, aux
 
 
 def _split_rows(x: jax.Array, num_minibatches: int, num_micro: int) -> jax.Array:
@@ -157,6 +175,10 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
   skip_norm = config.optim.skip_grad_norm
   normalizer_kwargs = settings.normalizer_kwargs(num_ranks=parallel.batch_shards(batch_sharding.mesh),
                                                  num_microbatches=num_micro)
+  reference_blocks = {k: normalizer_kwargs[k] for k in ("reference_ranks", "reference_divisor")}
+  # train.replayed_grad_share: also the gradient of the replayed rows' policy loss, for its norm's share of the
+  # update's (a second backward pass per micro-batch; the comparison's mechanism figure).
+  replayed_share = bool(config.train.get("replayed_grad_share", False))
   grad_fn = jax.grad(_policy_loss, has_aux=True)
 
   def optimizer_step(carry, minibatch):
@@ -166,8 +188,14 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     normalizer = objectives.loss_normalizer(mask.reshape(-1, mask.shape[-1]), **normalizer_kwargs)
 
     def micro_grads(micro):
+      """({"all": gradient, "replayed": its replayed part or nothing}, (losses, stats)) of one micro-batch."""
       micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
-      return grad_fn(params, graphdef, micro, normalizer, settings, temperature)
+      args = (params, graphdef, micro, normalizer, settings, temperature, reference_blocks)
+      if replayed_share:
+        grads, replayed_grads, aux = _loss_and_replayed_grads(*args)
+        return {"all": grads, "replayed": replayed_grads}, aux
+      grads, aux = grad_fn(*args)
+      return {"all": grads}, aux
 
     def accumulate(carry, micro):
       grads_sum, losses_sum, stats_sum = carry
@@ -178,8 +206,12 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     # Gradients and losses are sums over micro-batches (each already divided by the global normaliser).
     first_grads, (first_losses, first_stats) = micro_grads(jax.tree.map(lambda x: x[0], minibatch))
     rest = jax.tree.map(lambda x: x[1:], minibatch)
-    (grads, losses, stats), _ = jax.lax.scan(accumulate, (first_grads, first_losses, first_stats), rest)
+    (grad_parts, losses, stats), _ = jax.lax.scan(accumulate, (first_grads, first_losses, first_stats), rest)
+    grads = grad_parts["all"]
     grad_norm = optax.tree.norm(grads)
+    if replayed_share:
+      losses["policy/replayed_grad_share"] = optax.tree.norm(grad_parts["replayed"]) / jnp.maximum(grad_norm, 1e-30)
+    del losses["loss/replayed_policy"]
     # Skip rule (released ExGRPO code): no update when the pre-clip norm is not finite or above the bound.
     ok = jnp.isfinite(grad_norm) & (grad_norm <= skip_norm)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)

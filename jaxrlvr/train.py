@@ -27,6 +27,7 @@ from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import export as export_lib
+from jaxrlvr import faults
 from jaxrlvr import logs
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import models
@@ -69,9 +70,15 @@ def host_batch_size(config: ml_collections.ConfigDict, num_hosts: int) -> int:
   return batch_size // num_hosts
 
 
+EMBEDDED_PRESET = "tiny"  # the embedded default's model (configs/base.py)
+EMBEDDED_TASK = "synthetic:arithmetic"  # its task, whose worked solutions the default command warm-starts on
+
+
 def build_policy(config, mesh, book: rollout.PromptBook):
   """The policy to start RL from: an HF checkpoint, or a preset initialised at random, warm-started on the training
-  rows' solutions (the embedded task's worked solutions, a dataset's `data.solution_field`) when every row has one."""
+  rows' solutions (the embedded task's worked solutions, a dataset's `data.solution_field`) when every row has one.
+  Rows without one on the embedded preset and tokenizer warm-start on the embedded task's worked solutions instead
+  (`warm_start.embedded_fallback`): at random initialisation the model never finds a first correct answer."""
   if config.model.path:
     if config.warm_start.steps:
       logging.info("warm start skipped: model.path is set (the warm start is for a preset initialised at random)")
@@ -93,14 +100,25 @@ def build_policy(config, mesh, book: rollout.PromptBook):
     max_rows = config.warm_start.steps * config.warm_start.batch_size
     pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.prompt_ids, max_rows=max_rows,
                                                completion_len=config.rollout.max_new_tokens)
-    if missing:
+    task = config.data.source
+    if missing and _embedded_fallback(config):
+      pairs, task = _embedded_warm_start_pairs(config, tokenizer, max_rows), EMBEDDED_TASK
+      note = (f"{missing} of the first {min(len(book.source), max_rows)} training rows of {config.data.source} have no "
+              f"'{config.data.solution_field}' (data.solution_field) to imitate, so the {config.model.preset!r} preset "
+              f"is warm-started on the embedded task's worked solutions ({EMBEDDED_TASK}, the default command's "
+              f"cached warm start) and RL then trains on the rows of {config.data.source}; "
+              "--config.warm_start.embedded_fallback=False skips this")
+      logging.info("warm start on the embedded task: %s", note)
+      if multihost.is_main():
+        print(f"jaxrlvr: {note}.")
+    if missing and not pairs:
       logging.info("warm start skipped: %d of the first %d training rows of %s have no '%s' (data.solution_field) to "
                    "imitate, so RL starts from the %r preset at random initialisation", missing,
                    min(len(book.source), max_rows), config.data.source, config.data.solution_field,
                    config.model.preset)
     else:
       model = warm_start.cached_warm_start(
-          model, model_config, tokenizer, pairs, task=config.data.source, steps=config.warm_start.steps,
+          model, model_config, tokenizer, pairs, task=task, steps=config.warm_start.steps,
           lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
           prompt_len=config.data.max_prompt_len, completion_len=config.rollout.max_new_tokens,
           cache_dir=config.warm_start.cache_dir, mesh=mesh)
@@ -130,7 +148,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # ------------------------------------------------------------------------------------------------ Checkpoints
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.keep_checkpoints)
-  latest = checkpointer.latest_step()
+  latest = checkpointer.latest_readable_step()  # one whose metadata cannot be read is moved aside, and said
   multihost.check_same(-1 if latest is None else latest, "the latest checkpoint step")
   if latest is not None:  # refuse a resumption that cannot be exact (or a change it would ignore) before anything
     meta = checkpointer.read_meta(latest)
@@ -198,8 +216,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # ------------------------------------------------------------------------------------------------ Restore
   start_step = 0
   if latest is not None:
-    train_target = {"state": state, "history": [state.params] * meta["history_len"]}
-    restored, host, _ = checkpointer.restore(latest, checkpointing.abstract_like(train_target))
+    target = lambda meta: checkpointing.abstract_like({"state": state, "history": [state.params] * meta["history_len"]})
+    latest, restored, host = checkpointer.restore_readable(latest, target, config)  # or the one before, if unreadable
     state = restored["state"]
     if history is not None:
       history.extend(restored["history"])
@@ -211,6 +229,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                     enabled=is_main,
                                     summary_title=f"{config.method}: {os.path.basename(os.path.abspath(workdir))}")
   rng = jax.random.key(config.seed)
+  stop = faults.StopSignals()  # SIGTERM, Ctrl-C: the step in flight finishes, is saved, and the run exits (faults.py)
 
   def policy(params):
     return nnx.merge(graphdef, params)
@@ -245,8 +264,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                       {"replay": strategy.state_dict(), "data": questions.state_dict()},
                       {"step": step, "config": config.to_dict(), "history_len": len(hist)})
 
+  def observe(plan, sampled, groups, old_logp) -> float:
+    """The strategy stores, buckets and retires from the final groups before the update, and returns the seconds it
+    took. `replay.behaviour_logprobs="trainer"` (ExGRPO's released code) stores the trainer's recomputed log-probs
+    of each new answer as its pi_past, not the sampler's."""
+    t = time.perf_counter()
+    if config.replay.get("behaviour_logprobs", "sampler") == "trainer":
+      rollout.record_logprobs(groups, multihost.local_rows(old_logp))
+    strategy.observe(plan, sampled)
+    # What the buffer now keeps joins the frozen objects after one collection of the young ones: otherwise every
+    # automatic full collection re-scans the growing buffer (+5% of ExGRPO's step time on the embedded default).
+    gc.collect()
+    gc.freeze()
+    multihost.agree_phase(strategy)  # ExGRPO: replay turns on for every host at once
+    return time.perf_counter() - t
+
+  unsolvable = UnsolvableWatch(config, start_step=start_step, num_eval=num_eval, writer=writer)
   if start_step == 0:
-    writer.write(0, evaluate(state.params, 0))
+    writer.write(0, unsolvable.evaluated(evaluate(state.params, 0)))
 
   # ------------------------------------------------------------------------------------------------ Train loop
   last = dict(writer.latest)
@@ -254,6 +289,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # GC from re-scanning it in every full collection, which cost ExGRPO +5% step time on the embedded default.
   gc.collect()
   gc.freeze()
+  nonfinite = faults.NonFiniteStreak(config.optim.get("max_nonfinite_steps", 0), checkpointer.directory)
   for step in range(start_step, config.total_steps):
     t_step = time.perf_counter()
     step_rng = jax.random.fold_in(rng, step)
@@ -284,20 +320,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         pad_batch_to=host_batch * config.rollout.group_size)
     time_rollout = time.perf_counter() - t
 
-    # Compose the batch and let the strategy learn from what was sampled.
+    # Compose the batch.
     t = time.perf_counter()
     groups = strategy.compose(plan, sampled)
-    strategy.observe(plan, sampled)
+    unsolvable.sampled(step + 1, sampled)  # stops a run that solves nothing (train.stop_if_unsolvable_steps)
     if is_main:  # DIR/questions.jsonl: what each question scored at each visit (the comparison's revisit share)
-      run_data.append_questions(workdir, step + 1, plan.requests, sampled, threshold=replay.CORRECT_THRESHOLD)
-    # What the buffer now keeps joins the frozen objects after one collection of the young ones: otherwise every
-    # automatic full collection re-scans the growing buffer (+5% of ExGRPO's step time on the embedded default).
-    gc.collect()
-    gc.freeze()
-    multihost.agree_phase(strategy)  # ExGRPO: replay turns on for every host at once
+      run_data.append_questions(workdir, step + 1, plan.requests, sampled, threshold=replay.CORRECT_THRESHOLD,
+                                composed=groups)
     time_replay += time.perf_counter() - t
 
-    # Update: old log-probs under the current params, then the jitted optimizer steps.
+    # Update: old log-probs under the current params, the strategy learns from the batch, the optimizer steps.
     t = time.perf_counter()
     clip_fresh = fresh_tokens_clipped(config, plan)
     dense = None
@@ -311,6 +343,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         loss_mask=None if dense is None else dense.loss_mask,
         drop_constant_groups=config.loss.drop_constant_groups), mesh)
     batch["old_logp"], _ = score(state.params, batch)
+    time_observe = observe(plan, sampled, groups, batch["old_logp"])
     if reference is not None:
       batch["ref_logp"], _ = score(reference, batch)
     mismatch = _sampler_mismatch(batch)
@@ -318,7 +351,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       history.appendleft(jax.tree.map(jnp.copy, state.params))
     state, update_metrics = update(state, batch)
     jax.block_until_ready(state.step)
-    time_update = time.perf_counter() - t
+    time_update = time.perf_counter() - t - time_observe
+    time_replay += time_observe
 
     # Log.
     done = step + 1
@@ -342,9 +376,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     elif done % config.eval_every == 0:
       writer.write(done, evaluate(state.params, done))
     writer.advance(done)
+    nonfinite.check(done, update_metrics)
 
-    if done % config.checkpoint_every == 0 or done == config.total_steps:
+    saved = done % config.checkpoint_every == 0 or done == config.total_steps
+    if saved:
       save(done)
+    if done < config.total_steps and stop.agreed():  # the same point of every step on every host
+      stop.stop(done, save=None if saved else lambda: save(done),
+                close=(writer.close, reward_pool.close, checkpointer.close))
+  stop.restore()
 
   gc.unfreeze()
   # After the final checkpoint: a run killed here restarts as finished and writes the export then.
@@ -354,6 +394,123 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   reward_pool.close()
   checkpointer.close()
   return last
+
+
+UNSOLVABLE_SOLVE_RATE = 0.01  # the share of correct rollouts under which a start counts as unsolvable (UnsolvableWatch)
+
+
+class UnsolvableStart(config_lib.ConfigError):
+  """A run stopped by `train.stop_if_unsolvable_steps`: its policy solves nothing, so RL cannot learn. A ConfigError,
+  so `python -m jaxrlvr.main` ends with its one line and exit code 2, as for any setting that cannot work."""
+
+
+class UnsolvableWatch:
+  """Stops a run whose policy has nothing to learn from, after its first `train.stop_if_unsolvable_steps` steps.
+
+  A group without a correct rollout has advantages 0, so a policy that answers none of the held-out rows at step 0
+  and (next to) none of the rollouts of the first N steps gets (next to) no gradient from the verifier, and would
+  train to the end at 0 accuracy: a preset at random initialisation, a model that cannot write the answers. "Next to
+  none" is under `UNSOLVABLE_SOLVE_RATE` of them: a model at random initialisation hits an answer by chance (the
+  tiny preset, 1 of the 1,024 rollouts of 8 steps on 60 rows of 2- and 3-digit arithmetic), and 200 steps from
+  there stayed at 0 (issue #32). Only a run from step 0 is watched (a resumed one has trained, or was watched), and
+  only one longer than N steps (a shorter one, a smoke config's, ends anyway). The hosts decide together: the
+  evaluation is the same on every host, and the rollout counts are summed over hosts at step N (`host_mean`).
+  """
+
+  def __init__(self, config, *, start_step: int, num_eval: int, writer: metrics_lib.MetricWriter | None = None):
+    self.config, self.num_eval, self.writer = config, num_eval, writer
+    self.steps = int(config.train.get("stop_if_unsolvable_steps", 0))  # absent from a config built by hand: off
+    if self.steps < 0:
+      raise config_lib.ConfigError(f"config.train.stop_if_unsolvable_steps={self.steps}: must be >= 0 (the first "
+                                   "steps watched for a policy that solves nothing; 0: never stop)")
+    self.active = bool(self.steps) and start_step == 0 and self.steps < config.total_steps
+    self.eval_solved = False
+    self.correct = self.rollouts = 0  # this host's, over the watched steps
+
+  def evaluated(self, metrics: dict) -> dict:
+    """Notes whether the step-0 evaluation answered any held-out row (greedy, or any of eval.k samples); returns
+    `metrics` unchanged."""
+    self.eval_solved = self.eval_solved or any(
+        value > 0 for key, value in metrics.items() if key == "eval/accuracy" or key.startswith("eval/pass@"))
+    return metrics
+
+  def sampled(self, done: int, groups) -> None:
+    """Counts the correct rollouts of step `done` (1-based); at step N raises UnsolvableStart on every host when the
+    step-0 evaluation answered nothing and under UNSOLVABLE_SOLVE_RATE of the watched rollouts were correct."""
+    if not self.active or done > self.steps:
+      return
+    rewards = [r.reward for g in groups for r in g.rollouts]
+    self.correct += sum(reward >= replay.CORRECT_THRESHOLD for reward in rewards)
+    self.rollouts += len(rewards)
+    if done < self.steps:
+      return
+    self.active = False
+    hosts = multihost.process_count()
+    mean = multihost.host_mean({"correct": float(self.correct), "rollouts": float(self.rollouts)})
+    correct, rollouts = round(mean["correct"] * hosts), round(mean["rollouts"] * hosts)
+    if self.eval_solved or correct >= UNSOLVABLE_SOLVE_RATE * rollouts:
+      return
+    if self.writer is not None:  # the run ends here: its progress bar ends now, above the message, not after it
+      self.writer.close()
+    raise UnsolvableStart(self._message(done, correct, rollouts))
+
+  def _message(self, done: int, correct: int, rollouts: int) -> str:
+    c = self.config
+    if c.model.path:
+      start, remedy = f"model.path={c.model.path}", "another --config.model.path"
+    else:
+      start = f"the {c.model.preset!r} preset"
+      remedies = [f"a pretrained preset (--config=configs/{c.method}.py:model=smollm2-135m)"]
+      if not c.warm_start.steps:
+        remedies.append("a warm start on the rows' solutions (--config.warm_start.steps, e.g. 1200)")
+      else:
+        remedies.append(f"a '{c.data.solution_field}' field (data.solution_field) in the rows of {c.data.source} to "
+                        "warm-start on")
+        if _embedded_model(c) and not _embedded_fallback(c):
+          remedies.append("the embedded task's warm start (--config.warm_start.embedded_fallback=True)")
+      remedy = ", ".join(remedies[:-1]) + ", or " + remedies[-1]
+    held_out = f"{self.num_eval} held-out row{'' if self.num_eval == 1 else 's'}"
+    if correct:
+      hits = (f"{correct} of the {rollouts:,} rollouts of steps 1-{done} ({correct / rollouts:.1%}, under "
+              f"{UNSOLVABLE_SOLVE_RATE:.0%}), so nearly every group's advantages are 0")
+    else:
+      hits = f"none of the {rollouts:,} rollouts of steps 1-{done}, so every group's advantages are 0"
+    return (f"stopped after step {done} of {c.total_steps} (train.stop_if_unsolvable_steps={self.steps}): RL from "
+            f"{start} answered none of the {held_out} at step 0 and {hits}: there is nothing to learn from. Start "
+            f"from a model that solves some: {remedy}; or go on anyway with "
+            "--config.train.stop_if_unsolvable_steps=0")
+
+
+def _embedded_fallback(config) -> bool:
+  """Whether rows without a solution warm-start on the embedded task: `warm_start.embedded_fallback` on (absent from
+  a config built by hand: off) and `_embedded_model`."""
+  return bool(config.warm_start.get("embedded_fallback", False)) and _embedded_model(config)
+
+
+def _embedded_model(config) -> bool:
+  """The embedded preset with the embedded tokenizer (the model the embedded task's warm start is for: another
+  preset or tokenizer could not load or use it) on another task than the embedded one."""
+  return (config.model.preset == EMBEDDED_PRESET and not config.tokenizer.path
+          and config.data.source != EMBEDDED_TASK)
+
+
+def _embedded_warm_start_pairs(config, tokenizer, max_rows: int):
+  """The warm-start pairs of the default command (`data.source=synthetic:arithmetic` and this config's seed,
+  template, worked_fraction, ...): the same source, prompts and solutions, so the same cache key and weights."""
+  embedded = ml_collections.ConfigDict(config.to_dict())
+  embedded.data.source, embedded.data.eval_source, embedded.data.eval_size = EMBEDDED_TASK, "", 1  # eval: unused
+  train_set, _ = data_lib.sources_from_config(embedded)
+  book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
+                            max_prompt_len=config.data.max_prompt_len)
+  try:
+    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.prompt_ids, max_rows=max_rows,
+                                               completion_len=config.rollout.max_new_tokens)
+  except ValueError as e:  # a DataError too: this run's lengths are shorter than the embedded task's
+    raise data_lib.DataError(f"config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit "
+                             f"this run ({e}); restore the embedded default's lengths, or skip it with "
+                             "--config.warm_start.embedded_fallback=False") from e
+  assert not missing, "every embedded train question has a solution"
+  return pairs
 
 
 def rl_train_size(config: ml_collections.ConfigDict, train_set) -> int:

@@ -15,7 +15,10 @@
 #                $REMOTE_DIR on every worker (`tpu-vm scp --worker=all`), replacing what was there
 #   INSTALL  (1) on every worker: pip install "$JAX_PACKAGE" and `pip install -e $REMOTE_DIR[tfds]`
 #   RUN      (1) on every worker, in $REMOTE_DIR: the command after `--` (`tpu-vm ssh --worker=all`); the output of
-#                all workers streams back here, and the script exits non-zero if any worker fails
+#                all workers streams back here, and the script exits non-zero if any worker fails. The command is
+#                exec'd, so a preemption's SIGTERM reaches the run, which saves and exits 0; run the script again
+#                (CREATE=1 makes a new Spot VM) with the same command, and with a --workdir that outlived the VM
+#                (gs://...), to resume.
 #
 # Variables:
 #   TPU_NAME          name of the TPU VM (required)
@@ -118,5 +121,7 @@ fi
 if [[ "$RUN" == 1 ]]; then
   command_line="$(printf '%q ' "$@")"
   log "running on every worker: $command_line"
-  on_all_workers "cd $(printf %q "$REMOTE_DIR") && ${ENV_VARS:+env $ENV_VARS }$command_line"
+  # exec: the run is the session's process, so the SIGTERM of a Spot VM's preemption (or of `ssh` hanging up: SIGHUP
+  # stays fatal) reaches python, which saves the step in flight; the same command resumes on a new VM.
+  on_all_workers "cd $(printf %q "$REMOTE_DIR") && exec ${ENV_VARS:+env $ENV_VARS }$command_line"
 fi

@@ -230,12 +230,35 @@ def test_overrides_and_the_workdir_config_check(tmp_path):
 
 
 @pytest.mark.slow
+def test_presets_make_their_overrides():
+  # data_limited: 200 steps x 16 questions over 800 questions (4 visits each); paper_shaped: 1,600 (2 visits).
+  limited = compare.compare_arms.preset("data_limited").run_overrides(steps=200, batch_size=16)
+  assert limited == ["eval.k=8", "eval.temperature=1.0", "data.rl_train_size=800"]
+  shaped = compare.compare_arms.preset("paper_shaped").run_overrides(steps=200, batch_size=16)
+  assert shaped[-1] == "data.rl_train_size=1600" and "train.num_minibatches=2" in shaped
+  assert compare.compare_arms.preset("fresh").run_overrides(steps=200, batch_size=16) == ["eval.k=8",
+                                                                                         "eval.temperature=1.0"]
+
+
+def test_mechanism_figures_by_hand():
+  # Two steps: 3 of 4 groups with signal, then 1 of 4; the first step alone is "the first 20" when first_steps=1.
+  # Replayed rollouts: question 7 three times, 8 once, so the top-1 question has 3 of the 4 replays.
+  questions = {1: {"step": 1, "qid": [1, 2, 3, 4], "groups": 4, "signal": 3, "replayed_qids": [7, 7]},
+               2: {"step": 2, "qid": [5, 6], "groups": 4, "signal": 1, "replayed_qids": [7, 8]}}
+  m = run_data.mechanism_stats(questions, first_steps=1, top=1)
+  assert (m.signal_share, m.signal_share_first, m.questions_trained, m.replayed) == (0.5, 0.75, 8, 4)
+  assert m.replay_top_share == 0.75
+  assert run_data.mechanism_stats(questions, last_step=1, top=1).replay_top_share == 1.0
+  assert np.isnan(run_data.mechanism_stats({1: {"step": 1, "qid": [1]}}).signal_share)  # an older run's file
+
+
 def test_cli_end_to_end_on_smoke_configs(tmp_path):
-  """The data-limited preset on the smoke configs, one seed, an ablation arm and the supervised control: runs,
-  results, figures, questions that come back, pass@8, the control's wall time and warm start; a second invocation
-  trains nothing."""
+  """The paper-shaped preset on the smoke configs, one seed, an ablation arm and the supervised control: runs,
+  results, figures, questions that come back, pass@8, 2 optimizer steps a batch, the mechanism figures, the
+  control's wall time and warm start; a second invocation trains nothing. (The data-limited preset differs in its
+  overrides only: test_presets_make_their_overrides.)"""
   outdir = str(tmp_path / "compare")
-  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--preset=data_limited", "--seeds=1",
+  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--preset=paper_shaped", "--seeds=1",
          "--arms=grpo,exgrpo-no_shaping,sft", f"--outdir={outdir}",
          f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2"]
   first = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=600)
@@ -249,13 +272,22 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   runs = {n: compare.load_run(os.path.join(outdir, "runs", f"{n}-s0"), method=n, seed=0)
           for n in ("grpo", "exgrpo-no_shaping", "sft")}
   assert budget == min(runs["grpo"].total_tokens, runs["exgrpo-no_shaping"].total_tokens) > 0
-  # The preset: 4 smoke steps x 4 questions over data.rl_train_size = 16 / 4 = 4 questions, so GRPO sampled each
-  # of them 4 times; pass@8 at every evaluation; the arm's override on top.
+  # The preset: 4 smoke steps x 4 questions over data.rl_train_size = 16 / 2 = 8 questions, so GRPO sampled each
+  # of them 2 times; pass@8 at every evaluation; 2 optimizer steps a batch; the arm's override on top.
   with open(os.path.join(outdir, "runs", "exgrpo-no_shaping-s0", "config.json")) as f:
     config = json.load(f)
-  assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["shaping_beta"]) == (4, 8, 0.0)
+  assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["shaping_beta"]) == (8, 8, 0.0)
+  assert (config["train"]["num_minibatches"], config["data"]["worked_by_level"]) == (2, "add2=1,add3=0,addsub2=0")
   visits = run_data.visit_stats(runs["grpo"].questions)
-  assert (visits.questions, visits.visits_mean, visits.visits_max) == (4, 4.0, 4)
+  assert (visits.questions, visits.visits_mean, visits.visits_max) == (8, 2.0, 2)
+  # The mechanism figures: every step's composed groups in questions.jsonl, the gradient share in metrics.jsonl.
+  for name in ("grpo", "exgrpo-no_shaping"):
+    assert all(row["groups"] == 4 and 0 <= row["signal"] <= 4 for row in runs[name].questions.values())
+    steps = [row for step, row in runs[name].rows.items() if step > 0]
+    assert all(0 <= row["policy/replayed_grad_share"] <= 1 for row in steps)
+  mechanism = run_data.mechanism_stats(runs["grpo"].questions)
+  assert mechanism.questions_trained == 8 and mechanism.replayed == 0 and 0 <= mechanism.signal_share <= 1
+  assert 0 <= float(table["grpo"]["signal_share_mean"]) <= 1
   assert sorted(runs["grpo"].questions) == [1, 2, 3, 4]
   assert all("eval/pass@8" in row for row in runs["grpo"].rows.values() if "eval/accuracy" in row)
   assert 0 <= float(table["grpo"]["pass_at_k_mean"]) <= 1  # a number, where runs without pass@8 give nan
@@ -272,8 +304,9 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   assert {k: sft.rows[0][k] for k in evals0} == evals0
   with open(os.path.join(outdir, "results.md")) as f:
     text = f.read()
-  assert "Regime `data_limited`" in text and "| exgrpo-no_shaping | exgrpo | `loss.shaping_beta=0.0` |" in text
+  assert "Regime `paper_shaped`" in text and "| exgrpo-no_shaping | exgrpo | `loss.shaping_beta=0.0` |" in text
   assert "## What each method claims, measured" in text and "pass@8 - grpo" in text
+  assert "## Mechanism" in text and "groups with signal" in text and "share of the gradient norm" in text
   for name in ("accuracy_vs_budget.png", "pass_at_8_vs_budget.png", "accuracy_vs_training_time.png",
                "ratio_stats.png", "runs.csv"):
     assert os.path.exists(os.path.join(outdir, name)), name

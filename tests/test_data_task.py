@@ -89,8 +89,41 @@ def test_worked_fraction_answers_the_rest_bare():
              for q in range(50))
   with pytest.raises(DataError, match="worked_fraction must lie in"):
     ArithmeticSource(worked_fraction=1.5)
-  with pytest.raises(DataError, match="applies to the synthetic task only"):
+  with pytest.raises(DataError, match="apply to the synthetic task only"):
     make_source("jsonl:/nonexistent.jsonl", worked_fraction=0.5)
+  with pytest.raises(DataError, match="apply to the synthetic task only"):
+    make_source("jsonl:/nonexistent.jsonl", worked_by_level="add2=1")
+  with pytest.raises(DataError, match="levels='add2' applies to the synthetic task only"):
+    make_source("jsonl:/nonexistent.jsonl", levels="add2")
+
+
+def test_a_mix_of_levels_of_ones_own():
+  # data.levels: qids cycle through the named levels; a level named twice gets twice the questions, never the same
+  # one twice; the default mix is the four levels as before, question for question.
+  mix = ArithmeticSource(split="train", seed=1, size=600, levels="add1x2,add2,mul2x2,mul2x2",
+                         worked_by_level="add1x2=1,mul2x2=0")
+  sources = [mix[q].data_source for q in range(600)]
+  assert {s: sources.count(s) for s in set(sources)} == {"arithmetic/add1x2": 150, "arithmetic/add2": 150,
+                                                         "arithmetic/mul2x2": 300}
+  products = [mix[q] for q in range(600) if mix[q].data_source == "arithmetic/mul2x2"]
+  assert len({e.question for e in products}) == 300  # the two mul2x2 slots take alternate questions of its order
+  assert all(e.solution == f"\\boxed{{{e.answer}}}" for e in products)  # worked fraction 0: bare
+  assert mix[0].question.count("+") == 1 and mix[0].solution.count(",") == 2  # add1x2, worked: "d+xy" -> 2 columns
+  a, b = (int(x) for x in products[0].question.split("*"))
+  assert products[0].answer == str(a * b) and 10 <= a <= 99 and 10 <= b <= 99
+  assert synthetic._render("mul2x2", (47, 38)) == ("47*38", "1786", "376,141,\\boxed{1786}")  # 47*8, 47*3
+  default, explicit = ArithmeticSource(seed=1, size=40), ArithmeticSource(seed=1, size=40,
+                                                                         levels=",".join(synthetic.LEVELS))
+  assert all(default[q] == explicit[q] for q in range(40))
+  test = ArithmeticSource(split="test", seed=1, size=192, levels="add2,add2,mul2x2")  # 128 // 2 per slot of add2
+  assert not {test[q].question for q in range(192)} & {ArithmeticSource(seed=1, size=3000, levels="add2,add2,mul2x2")[
+      q].question for q in range(3000)}
+  with pytest.raises(DataError, match=r"test size \(193\) must be <= 192"):
+    ArithmeticSource(split="test", size=193, levels="add2,add2,mul2x2")
+  with pytest.raises(DataError, match="unknown level"):
+    ArithmeticSource(levels="add2,div2")
+  with pytest.raises(DataError, match="worked_by_level"):
+    ArithmeticSource(worked_by_level="add2=2")
 
 
 def test_train_and_test_are_disjoint_for_any_test_size():

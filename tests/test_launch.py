@@ -104,6 +104,42 @@ def test_slurm_sets_coordinator_from_the_first_node(tmp_path, per_gpu):
   assert lines == [f"{i} 4 gpu3:23456 {platforms} {gpus[i]}" for i in range(4)]
 
 
+# srun that runs one task in the background, as SLURM does, and stops it with SIGTERM as a preemption does.
+_SIGNALLING_SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+echo "srun $$"
+SLURM_PROCID=0 SLURM_LOCALID=0 "$@" &
+task=$!
+while [[ ! -f "$READY" ]]; do sleep 0.05; done
+echo "task $task"
+kill -TERM "$task"
+wait "$task"
+echo "task exited $?"
+"""
+_RUN_STANDIN = ("import os, signal, sys, time\n"
+                "def stop(*_):\n  print('python', os.getpid(), 'saved and exits', flush=True)\n  sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, stop)\nopen(os.environ['READY'], 'w').close()\ntime.sleep(60)\n")
+
+
+def test_slurm_sends_sigterm_before_the_limit_to_the_run_itself_and_requeues(tmp_path):
+  with open(os.path.join(_LAUNCH, "slurm.sbatch")) as f:
+    directives = re.findall(r"^#SBATCH (\S+)", f.read(), re.M)
+  assert {"--signal=TERM@120", "--requeue", "--open-mode=append"} <= set(directives)
+  _executable(tmp_path / "scontrol", _FAKE_SCONTROL)
+  _executable(tmp_path / "srun", _SIGNALLING_SRUN)
+  env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[3-4]",
+         "SLURM_NTASKS": "1", "READY": str(tmp_path / "ready")}
+  proc = subprocess.Popen(["bash", os.path.join(_LAUNCH, "slurm.sbatch"), sys.executable, "-c", _RUN_STANDIN],
+                          cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  stdout, stderr = proc.communicate(timeout=60)
+  assert proc.returncode == 0, stderr
+  lines = dict(line.rsplit(" ", 1) for line in stdout.splitlines()[1:] if not line.startswith("python"))
+  # srun is the batch script's own process (exec), and the task SLURM signals is python itself (exec in the task
+  # wrapper): the SIGTERM reaches the run, not a shell that would die of it.
+  assert lines["srun"] == str(proc.pid)
+  assert f"python {lines['task']} saved and exits" in stdout and lines["task exited"] == "0"
+
+
 def test_slurm_refuses_to_run_outside_an_allocation():
   env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
   result = subprocess.run(["bash", os.path.join(_LAUNCH, "slurm.sbatch"), "true"], cwd=_ROOT, env=env,
@@ -143,6 +179,7 @@ def test_tpu_pod_creates_copies_installs_and_runs(tmp_path):
   assert verbs == ["describe", "create", "scp", "ssh", "ssh", "ssh"]
   assert "--accelerator-type=v5p-16 --version=v2-alpha-tpuv5" in calls[1]
   assert all("--worker=all" in c for c in calls[2:])
+  assert f"--command=cd jaxrlvr && exec env JAXRLVR_CHECK=yes {sys.executable} -c" in calls[5]  # SIGTERM reaches it
   # Second call: the VM exists, so it is reused; steps switched off are skipped.
   result = _run(run, env={**env, "COPY": "0", "INSTALL": "0"})
   assert result.returncode == 0, result.stderr

@@ -142,10 +142,11 @@ def _batch():
           "replayed": replayed, "clip": np.ones(_ROWS, bool)}
 
 
-@pytest.mark.parametrize("width, divisor", [("max_len", 0), ("padded", 0), ("max_len", 16)])
+@pytest.mark.parametrize("width, divisor", [("max_len", 0), ("padded", 0), ("max_len", 16), ("max_len", 1)])
 def test_exgrpo_reference_is_the_released_codes_loss_for_2_microbatches_on_2_devices(width, divisor):
   config = _config("exgrpo")
   with config.unlocked():
+    config.loss.entropy_coef = 0.05  # large enough that a wrong entropy normaliser moves the gradient
     config.rollout.max_new_tokens = _COMPLETION
     config.loss.aggregation = "exgrpo_reference"
     config.loss.max_len = 8  # L; the batch's padded completion width is 6
@@ -158,24 +159,27 @@ def test_exgrpo_reference_is_the_released_codes_loss_for_2_microbatches_on_2_dev
   batch = _batch()
 
   def released_code_loss(params):
-    """verl's way: each rank r holds its rows of every micro-batch m; loss_rm = sum(token losses) / W / D; a rank
-    backpropagates sum_m loss_rm and the ranks' gradients are averaged."""
+    """verl's way: each rank r holds its rows of every micro-batch m; pg_rm = sum(token losses) / W, the entropy
+    bonus is the token mean of the micro-batch's entropy (masked_mean), loss_rm = (pg_rm - c * entropy_rm) / D; a
+    rank backpropagates sum_m loss_rm and the ranks' gradients are averaged. Returns (loss, its policy part)."""
     model = nnx.merge(graphdef, params)
-    logp, _ = step_lib.completion_logprobs(model, batch, 1.0)
+    logp, entropy = step_lib.completion_logprobs(model, batch, 1.0)
     per_token = step_lib.token_losses(logp, batch, settings)
     W = 8 if width == "max_len" else _COMPLETION
     D = divisor or 2
-    rank_losses = []
+    mask = batch["completion_mask"]
+    policy, total = 0.0, 0.0
     for rank in range(2):
-      total = 0.0
       for m in range(2):
         rows = np.arange(_ROWS)[m::2]  # the update interleaves rows into micro-batches (step._split_rows)
         rows = rows[rank * 4:(rank + 1) * 4]  # and each micro-batch is split over the 2 devices in blocks
-        total += jnp.sum(per_token[rows] * batch["completion_mask"][rows]) / W / D
-      rank_losses.append(total)
-    return sum(rank_losses) / 2
+        pg = jnp.sum(per_token[rows] * mask[rows]) / W
+        entropy_mean = jnp.sum(entropy[rows] * mask[rows]) / mask[rows].sum()
+        policy += pg / D / 2  # / 2: the average over the 2 ranks
+        total += (pg - 0.05 * entropy_mean) / D / 2
+    return total, policy
 
-  want_loss, want_grad = jax.value_and_grad(released_code_loss)(params)
+  (want_loss, want_policy), want_grad = jax.value_and_grad(released_code_loss, has_aux=True)(params)
   lr = 1e6  # read the applied gradient off one SGD step (the step dwarfs the parameters)
   state = step_lib.create_state(params, optax.sgd(lr), mesh)
   before = jax.device_get(state.params)
@@ -183,11 +187,31 @@ def test_exgrpo_reference_is_the_released_codes_loss_for_2_microbatches_on_2_dev
                                    state_sharding=jax.tree.map(lambda x: x.sharding, state),
                                    batch_sharding=parallel.batch_sharding(mesh))
   new_state, metrics = update(state, parallel.shard_batch(batch, mesh))
-  np.testing.assert_allclose(float(metrics["loss/policy"]), float(want_loss), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["loss/policy"]), float(want_policy), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["loss/total"]), float(want_loss), rtol=1e-5)
   got_grad = jax.tree.map(lambda b, a: (np.asarray(b, np.float64) - np.asarray(a, np.float64)) / lr, before,
                           jax.device_get(new_state.params))
   for got, want in zip(jax.tree.leaves(got_grad), jax.tree.leaves(jax.device_get(want_grad))):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1e-12))
+
+
+def test_exgrpo_reference_divisor_of_the_paper_config_is_the_released_scripts():
+  # run_exgrpo.sh: ppo_mini_batch_size // ppo_micro_batch_size = 64 // 64 = 1 (both scale alike with the world
+  # size), whatever the real micro-batch count; L = 8192 on 8 ranks, so a step's token sum is divided by 8192 * 8,
+  # not by 8192 * 8 * 16 (this config's 16 micro-batches).
+  config = _config("exgrpo", "model=qwen2.5-math-7b")
+  with config.unlocked():
+    config.loss.aggregation = "exgrpo_reference"
+  assert config.train.num_microbatches == 16 and config.rollout.max_new_tokens == 8192
+  kwargs = objectives.LossSettings.from_config(config).normalizer_kwargs(
+      num_ranks=8, num_microbatches=config.train.num_microbatches)
+  assert kwargs["reference_divisor"] == 1
+  assert float(objectives.loss_normalizer(jnp.ones((4, 3)), **kwargs)) == 8192 * 8
+  # 0 divides by this run's micro-batch count instead.
+  with config.unlocked():
+    config.loss.reference_divisor = 0
+  kwargs = objectives.LossSettings.from_config(config).normalizer_kwargs(num_ranks=8, num_microbatches=16)
+  assert float(objectives.loss_normalizer(jnp.ones((4, 3)), **kwargs)) == 8192 * 8 * 16
 
 
 def test_exgrpo_reference_normaliser_by_hand():

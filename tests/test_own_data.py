@@ -1,10 +1,14 @@
-"""A user's own data with the default config and no other override: a 10-row jsonl (and a verl parquet) trains, the
-warm start (which needs solutions) is skipped with a log line, evaluation runs on the file's own held-out rows, and
-a prompt that does not fit stops before the model is built with the file, the row and the lengths."""
+"""A user's own data with the default config and no other override: a 10-row jsonl (and a verl parquet) trains,
+evaluation runs on the file's own held-out rows, and a prompt that does not fit stops before the model is built with
+the file, the row and the lengths. Rows without solutions on the embedded model warm-start on the embedded task's
+worked solutions (the default command's cached warm start) and then learn (issue #32); with that turned off, a model
+that solves nothing stops after its first steps with what to change, exit code 2."""
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 
 import jax
 import pyarrow as pa
@@ -15,6 +19,7 @@ from configs import exgrpo
 from jaxrlvr import config_lib
 from jaxrlvr import data
 from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import models
 from jaxrlvr import parallel
 from jaxrlvr import rollout
 from jaxrlvr import train
@@ -55,11 +60,12 @@ def test_jsonl_trains_and_evaluates_on_its_own_held_out_rows(tmp_path, monkeypat
     config.total_steps = 2  # evals at steps 0 and 2
   assert config.data.worked_fraction == 0.4  # the tiny preset's synthetic setting needs no override here
   warm_started = []
-  monkeypatch.setattr(train.warm_start, "cached_warm_start", lambda model, *a, **k: warm_started.append(1) or model)
+  monkeypatch.setattr(train.warm_start, "cached_warm_start",
+                      lambda model, *a, **k: warm_started.append(k["task"]) or model)
   workdir = str(tmp_path / "run")
   train.run(config, workdir)
 
-  assert not warm_started  # the rows have no solution: no warm start
+  assert warm_started == [train.EMBEDDED_TASK]  # the rows have no solution: the embedded task's warm start
   train_rows, held_out = data.sources_from_config(config)
   assert (len(train_rows), len(held_out)) == (9, 1)
   assert {train_rows[q].question for q in range(9)} | {held_out[0].question} == {q for q, _ in QUESTIONS}
@@ -81,25 +87,124 @@ def test_verl_parquet_with_chat_prompts(tmp_path, monkeypatch):
   config = _smoke_config(f"parquet:{path}", eval_fraction=0.2)
   with config.unlocked():
     config.total_steps = 2
+    config.warm_start.embedded_fallback = False  # no solutions and no fallback: the warm start is skipped
   workdir = str(tmp_path / "run")
   train.run(config, workdir)
   last = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
   assert last["step"] == 2 and "eval/mine/accuracy" in last and "eval/accuracy" in last
 
 
-def test_only_the_source_flag_on_the_command_line(tmp_path):
-  path = _write_jsonl(tmp_path / "q.jsonl", _qa_rows())
-  workdir = str(tmp_path / "run")
+
+def _arithmetic_rows(n: int = 60) -> list[dict]:
+  """Issue #32's rows: arithmetic in the embedded task's characters, with no solution. A mix of the embedded task's
+  forms (2- and 3-digit sums, products, a sum less a number), so that ExGRPO does not retire every question as
+  solved within 30 steps (54 rows of 2-digit sums alone are: the warm-started model answers 96% of them)."""
+  rows = []
+  for i in range(n):
+    a, b, d = 10 + 37 * i % 90, 10 + (53 * i + 11) % 90, 2 + i % 8
+    x, y = 10 * a + b % 10, 10 * b + a % 10
+    question, answer = ((f"{a}+{b}", a + b), (f"{x}+{y}", x + y), (f"{d}*{b}", d * b),
+                        (f"{a}+{b}-{min(a, b)}", max(a, b)))[i % 4]
+    rows.append({"question": question, "answer": str(answer)})
+  return rows
+
+
+def _main(tmp_path, *args: str) -> subprocess.CompletedProcess:
+  """`python -m jaxrlvr.main ARGS --workdir=tmp_path/run` as a user runs it: one device, a fresh $HOME, whose default
+  warm-start cache (~/.cache/jaxrlvr/warm_start) is the session's shared one (tests/conftest.py), so the command line
+  needs no cache flag and the default command's warm start is trained once per session at most."""
+  cache = tmp_path / "home" / ".cache" / "jaxrlvr"
+  cache.mkdir(parents=True)
+  os.makedirs(os.environ["JAXRLVR_WARM_START_CACHE"], exist_ok=True)
+  (cache / "warm_start").symlink_to(os.environ["JAXRLVR_WARM_START_CACHE"])
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", HOME=str(tmp_path / "home"))
-  result = subprocess.run([sys.executable, "-m", "jaxrlvr.main", "--config=configs/exgrpo.py:smoke",
-                           f"--config.data.source=jsonl:{path}", f"--workdir={workdir}"],
-                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
+  env.pop("JAXRLVR_VERBOSE", None)
+  return subprocess.run([sys.executable, "-m", "jaxrlvr.main", *args, f"--workdir={tmp_path / 'run'}"], cwd=_REPO,
+                        env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_rows_without_solutions_learn_with_only_the_source_flag(tmp_path):
+  """The issue's run: configs/exgrpo.py and only the source flag (30 steps instead of 200). The tiny preset is
+  warm-started as the default command warm-starts it, says so in one line, and RL on the rows scores above 0."""
+  path = _write_jsonl(tmp_path / "q.jsonl", _arithmetic_rows())
+  result = _main(tmp_path, "--config=configs/exgrpo.py", f"--config.data.source=jsonl:{path}",
+                 "--config.total_steps=30")
   assert result.returncode == 0, result.stderr[-4000:]
-  assert "warm start skipped: 9 of the first 9 training rows" in result.stderr
-  assert f"data: evaluating on 1 held-out row of jsonl:{path}" in result.stderr
-  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  assert "eval/q/accuracy" in rows[-1] and rows[-1]["step"] == 4  # the file's name is its rows' data_source
-  assert not any(k.startswith("eval/arithmetic") for r in rows for k in r)  # never the synthetic task
+  assert (f"jaxrlvr: 54 of the first 54 training rows of jsonl:{path} have no 'solution' (data.solution_field) to "
+          "imitate, so the 'tiny' preset is warm-started on the embedded task's worked solutions "
+          "(synthetic:arithmetic, the default command's cached warm start) and RL then trains on the rows of "
+          f"jsonl:{path}; --config.warm_start.embedded_fallback=False skips this.") in result.stdout
+  assert "warm start skipped" not in result.stderr
+  assert f"data: evaluating on 6 held-out rows of jsonl:{path}" in result.stderr
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
+  evals = [r for r in rows if "eval/accuracy" in r]
+  assert [r["step"] for r in evals] == [0, 30] and evals[-1]["eval/accuracy"] > 0, evals
+  assert "eval/q/accuracy" in rows[-1]  # the file's name is its rows' data_source
+  assert not any(k.startswith("eval/arithmetic") for r in rows for k in r)  # never evaluated on the synthetic task
+
+
+def test_a_model_that_solves_nothing_stops_after_its_first_steps(tmp_path):
+  """The issue's run with the fallback off: the tiny preset at random initialisation answers none of the held-out
+  rows and (next to) none of the rollouts, so the run stops after train.stop_if_unsolvable_steps (8) of its 200
+  steps with one line that says why and what to change, exit code 2."""
+  path = _write_jsonl(tmp_path / "q.jsonl", _arithmetic_rows())
+  result = _main(tmp_path, "--config=configs/exgrpo.py", f"--config.data.source=jsonl:{path}",
+                 "--config.warm_start.embedded_fallback=False")
+  assert result.returncode == 2, result.stderr[-4000:]
+  assert "Traceback" not in result.stderr
+  assert "warm start skipped: 54 of the first 54 training rows" in result.stderr
+  line = result.stderr.splitlines()[-1]
+  # A chance hit or two of a random model (1 of the 1,024 here) is not something RL climbs from.
+  hits = (r"(none of the 1,024 rollouts of steps 1-8, so every|[1-9] of the 1,024 rollouts of steps 1-8 "
+          r"\(0\.\d%, under 1%\), so nearly every)")
+  assert re.fullmatch(
+      r"jaxrlvr: error: stopped after step 8 of 200 \(train.stop_if_unsolvable_steps=8\): RL from the 'tiny' "
+      rf"preset answered none of the 6 held-out rows at step 0 and {hits} group's advantages are 0: there is nothing "
+      r"to learn from. Start from a model that solves some: a pretrained preset "
+      r"\(--config=configs/exgrpo.py:model=smollm2-135m\), a 'solution' field \(data.solution_field\) in the rows of "
+      rf"jsonl:{re.escape(path)} to warm-start on, or the embedded task's warm start "
+      r"\(--config.warm_start.embedded_fallback=True\); or go on anyway with --config.train.stop_if_unsolvable_steps=0",
+      line), line
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
+  assert rows[0]["step"] == 0 and rows[0]["eval/accuracy"] == 0 and rows[-1]["step"] == 5  # stopped in step 8
+  assert not os.path.exists(os.path.join(tmp_path, "run", "hf"))  # no export: the run did not finish
+
+
+def _groups(*rewards):
+  return [types.SimpleNamespace(rollouts=[types.SimpleNamespace(reward=r) for r in rewards])]
+
+
+def test_the_unsolvable_watch_leaves_runs_that_solve_or_are_short_or_resumed_alone(monkeypatch):
+  config = exgrpo.get_config("smoke")
+  assert config.train.stop_if_unsolvable_steps == 8 > config.total_steps  # a smoke run is never watched
+  assert not train.UnsolvableWatch(config, start_step=0, num_eval=1).active
+  with config.unlocked():
+    config.total_steps = 200
+  for start_step, steps, active in ((0, 8, True), (3, 8, False), (0, 0, False), (0, 200, False)):
+    config.train.stop_if_unsolvable_steps = steps
+    assert train.UnsolvableWatch(config, start_step=start_step, num_eval=1).active == active, (start_step, steps)
+  config.train.stop_if_unsolvable_steps = 3
+  summed = []
+  monkeypatch.setattr(train.multihost, "host_mean", lambda counts: summed.append(counts) or counts)
+
+  def watch_run(eval_metrics, *steps):
+    watch = train.UnsolvableWatch(config, start_step=0, num_eval=6)
+    watch.evaluated(eval_metrics)
+    for done, rewards in enumerate(steps, 1):
+      watch.sampled(done, _groups(*rewards))
+
+  nothing = [0.0] * 50
+  watch_run({"eval/accuracy": 0.0, "eval/pass@4": 0.0}, nothing, [1.0, 1.0], nothing, [0.0])  # 2 of 102: 2%
+  assert summed == [{"correct": 2.0, "rollouts": 102.0}]  # one collective, at step 3, on every host
+  watch_run({"eval/accuracy": 0.0, "eval/pass@4": 0.25}, nothing, nothing, nothing)  # a sampled answer was right
+  with pytest.raises(train.UnsolvableStart, match=r"^stopped after step 3 of 200 \(train.stop_if_unsolvable_steps=3\): "
+                                                  r".* and 1 of the 150 rollouts of steps 1-3 \(0.7%, under 1%\)"):
+    watch_run({"eval/accuracy": 0.0}, nothing, nothing[1:] + [1.0], nothing)
+  with pytest.raises(train.UnsolvableStart, match="none of the 6 held-out rows at step 0 and none of the 150 rollouts"):
+    watch_run({"eval/accuracy": 0.0}, nothing, nothing, nothing)
+  config.train.stop_if_unsolvable_steps = -1
+  with pytest.raises(config_lib.ConfigError, match=r"config.train.stop_if_unsolvable_steps=-1: must be >= 0"):
+    train.UnsolvableWatch(config, start_step=0, num_eval=6)
 
 
 @pytest.fixture(scope="module")
@@ -220,28 +325,74 @@ def test_warm_start_pairs_from_a_solution_field(tmp_path, tokenizer):
     data.warm_start_pairs(source, tokenizer, book.__getitem__, max_rows=10, completion_len=4)
 
 
-def test_build_policy_warm_starts_on_a_solution_field_and_skips_without_one(tmp_path, monkeypatch, tokenizer,
-                                                                            caplog):
+def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_skips_when_told(
+    tmp_path, monkeypatch, tokenizer, caplog, capsys):
   solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
   calls = []
   monkeypatch.setattr(train.warm_start, "cached_warm_start",
                       lambda model, model_config, tok, pairs, **kwargs: calls.append((pairs, kwargs)) or model)
+  monkeypatch.setattr(train.models, "load_pretrained", lambda *a, **k: ("pretrained", None))
   mesh = parallel.make_mesh(*config_lib.mesh_shape(exgrpo.get_config("smoke").mesh, jax.device_count()))
-  books = {}
-  for name, rows in (("with", _qa_rows(solution=solutions)), ("without", _qa_rows())):
-    config = _smoke_config(f"jsonl:{_write_jsonl(tmp_path / f'{name}.jsonl', rows)}")
+  with_solutions = _write_jsonl(tmp_path / "with.jsonl", _qa_rows(solution=solutions))
+  without = _write_jsonl(tmp_path / "without.jsonl", _qa_rows())
+
+  def build(config):
     train_rows, _ = data.sources_from_config(config)
-    books[name] = rollout.PromptBook(train_rows, tokenizer, template="plain", max_prompt_len=16)
+    book = rollout.PromptBook(train_rows, tokenizer, template="plain", max_prompt_len=config.data.max_prompt_len)
     with caplog.at_level("INFO"):
-      train.build_policy(config, mesh, books[name])
-  assert len(calls) == 1  # the file with solutions warm-started, the other did not
-  pairs, kwargs = calls[0]
-  assert kwargs["task"] == f"jsonl:{tmp_path / 'with.jsonl'}" and kwargs["steps"] == config.warm_start.steps
-  book = books["with"]
+      train.build_policy(config, mesh, book)
+    return book
+
+  # A solution field: the warm start imitates it.
+  config = _smoke_config(f"jsonl:{with_solutions}")
+  book = build(config)
+  pairs, kwargs = calls.pop()
+  assert kwargs["task"] == f"jsonl:{with_solutions}" and kwargs["steps"] == config.warm_start.steps
   solution_ids = tokenizer(book.example(0).solution, add_special_tokens=False)["input_ids"]
   assert len(pairs) == 9 and pairs[0] == (book.prompt_ids(0), solution_ids + [tokenizer.eos_token_id])
-  assert (f"warm start skipped: 9 of the first 9 training rows of jsonl:{tmp_path / 'without.jsonl'} have no "
-          "'solution' (data.solution_field)") in caplog.text
+
+  # No solutions, the default config: the default command's own warm start (the same pairs and settings, so the
+  # same cache entry), said in one printed line.
+  default = exgrpo.get_config()
+  with default.unlocked():
+    default.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
+  build(default)
+  reference = calls.pop()
+  with default.unlocked():
+    default.data.source = f"jsonl:{without}"
+  capsys.readouterr()
+  build(default)
+  fallback = calls.pop()
+  assert fallback[1]["task"] == train.EMBEDDED_TASK and fallback == reference
+  key = lambda pairs, kw: train.warm_start.cache_key(
+      models.get_preset("tiny"), tokenizer, pairs, **{k: kw[k] for k in ("task", "steps", "lr", "batch_size", "seed")})
+  assert key(*fallback) == key(*reference)
+  assert capsys.readouterr().out == (
+      f"jaxrlvr: 9 of the first 9 training rows of jsonl:{without} have no 'solution' (data.solution_field) to "
+      "imitate, so the 'tiny' preset is warm-started on the embedded task's worked solutions (synthetic:arithmetic, "
+      f"the default command's cached warm start) and RL then trains on the rows of jsonl:{without}; "
+      "--config.warm_start.embedded_fallback=False skips this.\n")
+
+  # Skipped, with a log line: the fallback off, or model.path set (whatever the rows hold).
+  caplog.clear()
+  config = _smoke_config(f"jsonl:{without}")
+  config.warm_start.embedded_fallback = False
+  build(config)
+  config = _smoke_config(f"jsonl:{with_solutions}")
+  config.model.path = str(tmp_path)
+  build(config)
+  assert not calls
+  assert (f"warm start skipped: 9 of the first 9 training rows of jsonl:{without} have no 'solution' "
+          "(data.solution_field)") in caplog.text
+  assert "warm start skipped: model.path is set" in caplog.text
+  # Only the embedded preset and tokenizer fall back: another preset or tokenizer has nothing to learn it with.
+  config = _smoke_config(f"jsonl:{without}")
+  assert train._embedded_fallback(config)  # pylint: disable=protected-access
+  config.tokenizer.path = str(tmp_path)
+  assert not train._embedded_fallback(config)  # pylint: disable=protected-access
+  config = exgrpo.get_config("model=smollm2-135m")
+  config.data.source = f"jsonl:{without}"
+  assert not train._embedded_fallback(config)  # pylint: disable=protected-access
 
 
 def test_hf_disk_dataset_dict_holds_out_its_train_split_or_uses_its_test_split(tmp_path):

@@ -16,9 +16,10 @@ def make_test_config(**overrides) -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict({"batch_size": overrides.pop("batch_size", 4),
                                          "group_size": overrides.pop("group_size", K)})
   c.loss = ml_collections.ConfigDict({"scale_by_std": False})
-  # start_solve_rate=2: replay stays off unless a test turns it on.
+  # start_solve_rate=2: replay stays off unless a test turns it on; store_before_start: the storage rules are tested
+  # on their own, before the delayed start (which, as in the released code, stores nothing unless this is set).
   c.replay = ml_collections.ConfigDict({"name": "exgrpo", "max_tokens": 0, "rho": 0.5, "bucket_sigma": 1.0,
-                                        "bucket_scale": "count", "start_solve_rate": 2.0})
+                                        "bucket_scale": "count", "start_solve_rate": 2.0, "store_before_start": True})
   c.replay.update(overrides)
   return c
 
@@ -202,6 +203,23 @@ def test_delayed_start_is_one_way_at_batch_solve_rate():
   run_step(s, 2, [7], {q: [0] * 4 for q in range(1, 20)})
   assert s.active
   assert replay.make("exgrpo", make_test_config(start_solve_rate=0.0)).active  # 0 starts at once
+
+
+def test_nothing_is_stored_or_bucketed_before_the_delayed_start_unless_asked():
+  # Released code (replay.store_before_start=False): before replay turns on no answer is stored and no bucket moves;
+  # retirement still applies. The batch whose solve rate turns replay on is the first one stored.
+  s = replay.make("exgrpo", make_test_config(batch_size=2, start_solve_rate=0.35, store_before_start=False))
+  run_step(s, 0, [1, 2], {1: [1, 1, 0, 0], 2: [1, 1, 1, 1]})  # 6/8 > .35: turns replay on, stored
+  assert s.active and s.answers_of(1) and s.bucket_of(1) == 2 and s.is_retired(2)
+  s = replay.make("exgrpo", make_test_config(batch_size=2, start_solve_rate=0.35, store_before_start=False))
+  run_step(s, 0, [1, 2], {1: [1, 0, 0, 0], 2: [0] * 4})  # 1/8 <= .35: on-policy, nothing stored
+  run_step(s, 1, [3, 4], {3: [1, 1, 1, 1], 4: [0] * 4})  # 4/8 > .35, and 3 is solved 4/4
+  assert not s.answers_of(1) and s.bucket_of(1) == -1 and s.is_retired(3)
+  assert s.active and s.num_questions == 0 and s.metrics()["replay/stored"] == 0.0
+  # store_before_start=True (this codebase's earlier behaviour): the buffer fills from step 0.
+  s = replay.make("exgrpo", make_test_config(batch_size=2, start_solve_rate=0.35, store_before_start=True))
+  run_step(s, 0, [1, 2], {1: [1, 0, 0, 0], 2: [0] * 4})
+  assert not s.active and len(s.answers_of(1)) == 1 and s.bucket_of(1) == 1
 
 
 def test_replayed_answer_without_recorded_logprobs_is_an_error():

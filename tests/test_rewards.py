@@ -169,8 +169,9 @@ def test_hostile_completions_score_zero_within_a_bound(pool):
   assert rewards[0] == 1
 
 
-def test_crashed_worker_scores_zero_and_the_batch_completes(pool):
-  """Both workers are killed while each chews on a power tower; the queued items behind them still score."""
+def test_killed_workers_are_replaced_and_their_items_scored_again(pool):
+  """Both workers are killed while each chews on a power tower: replaced, they score the towers again (which then
+  overrun the budget: 0, as timeouts), and the queued items behind them still score."""
   completions = ["\\boxed{9^{9^{9^{9^{9}}}}}"] * 2 + ["\\boxed{\\frac{%d}{%d}}" % (i, 2 * i) for i in range(1, 7)]
   golds = ["1", "2"] + ["0.5"] * 6  # Distinct golds: one tower per worker.
   pool.wait_ready()
@@ -186,10 +187,10 @@ def test_crashed_worker_scores_zero_and_the_batch_completes(pool):
 
   killer = threading.Thread(target=kill_workers)
   killer.start()
-  rewards, info = pool.score(completions, golds, timeout_s=10.0)
+  rewards, info = pool.score(completions, golds, timeout_s=3.0)
   killer.join()
   np.testing.assert_array_equal(rewards, [0, 0] + [1] * 6)
-  assert info["crashes"] == 2 and info["timeouts"] == 0
+  assert info["crashes"] == 0 and info["timeouts"] == 2 and info["worker_restarts"] == 4
   assert set(pool.worker_pids()).isdisjoint(victims)
 
 

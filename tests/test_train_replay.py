@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import rollout
 from jaxrlvr import train
 from jaxrlvr.rewards import math as math_rewards
 
@@ -24,9 +25,25 @@ def _biased_coin_score(self, completions, answers, **kwargs):
   return rewards, dict(fast_path=len(completions), verified=0, timeouts=0, crashes=0, missing_think=0, seconds=0.0)
 
 
+def _sampler_logprobs_of(value: float):
+  """rollout.sample_groups with every sampled token's recorded log-prob replaced by `value`, so what a replayed
+  answer's ratio is taken against shows whose log-probs were stored: the sampler's (this value) or the trainer's."""
+  sample_groups = rollout.sample_groups
+
+  def patched(*args, **kwargs):
+    groups, info = sample_groups(*args, **kwargs)
+    for g in groups:
+      for r in g.rollouts:
+        r.logprobs = np.full(len(r.tokens), value, np.float32)
+    return groups, info
+  return patched
+
+
 @pytest.mark.parametrize("method", ["exgrpo", "advantage_priority", "bapo"])
 def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
   monkeypatch.setattr(math_rewards.MathRewardPool, "score", _biased_coin_score)
+  if method == "exgrpo":
+    monkeypatch.setattr(train.rollout, "sample_groups", _sampler_logprobs_of(-30.0))
   config = importlib.import_module(f"configs.{method}").get_config("smoke")
   with config.unlocked():
     config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
@@ -58,6 +75,11 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     counts = [(r["replay/replay_questions"], r["replay/scored_answers"]) for r in steps]
     assert all(questions > 0 for questions, _ in counts[1:]), counts
     assert any(scored >= 2 for _, scored in counts), counts  # the entropy pass ran inside the loop
+    # replay.behaviour_logprobs="trainer" (released code): a stored answer's pi_past is the trainer's recomputed
+    # log-probs, so its ratio pi / pi_past stays near 1 after a few small updates; had the sampler's (-30 here) been
+    # stored, the ratio would be exp(20) (the log-ratio clamp).
+    ratios = [r["policy/replayed/ratio_mean"] for r in steps[1:]]
+    assert all(0.5 < x < 2.0 for x in ratios), ratios
   # The run saved its config and a checkpoint of the last step (whose host state holds the buffer).
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["replay"]["name"] == method

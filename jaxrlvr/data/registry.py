@@ -29,7 +29,8 @@ HOLD_OUT_SEED = 0  # fixed: the held-out rows of a file do not change with confi
 
 def make_source(spec: str, *, split: str = "train", question_field: str = "question", answer_field: str = "answer",
                 solution_field: str = "solution", seed: int = 0, size: int | None = None,
-                data_dir: str | None = None, worked_fraction: float = 1.0, phrasing: str = "compact") -> Source:
+                data_dir: str | None = None, worked_fraction: float = 1.0, phrasing: str = "compact",
+                worked_by_level: str = "", levels: str = "") -> Source:
   """Opens the source named by `spec` (see the module docstring for the forms).
 
   Args:
@@ -39,6 +40,10 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     size: number of synthetic questions (default 20,000 train, 200 test).
     worked_fraction: the synthetic task's share of questions whose solution shows its work (the rest: the bare
       boxed answer); see jaxrlvr/data/synthetic.py. Any other value with another kind of source is an error.
+    levels: the synthetic task's mix of levels ("add2,addsub2,mul2x2"; empty: its four evenly); the same error with
+      another kind of source.
+    worked_by_level: the synthetic task's worked fraction per level ("add2=1,addsub2=0"; unnamed levels take
+      worked_fraction); any other value with another kind of source is an error.
     phrasing: how the synthetic task's questions read, "compact" (47+38) or "sentence" (for chat models); the same
       error with another kind of source.
     data_dir: the tfds data directory (default $TFDS_DATA_DIR, then tfds's own default).
@@ -49,12 +54,14 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     if rest != "arithmetic":
       raise DataError(f"data source {spec!r}: unknown synthetic task {rest!r}; known: 'arithmetic'")
     return synthetic.ArithmeticSource(split=split, seed=seed, size=size, worked_fraction=worked_fraction,
-                                      phrasing=phrasing)
+                                      phrasing=phrasing, worked_by_level=worked_by_level, levels=levels)
   if kind not in KINDS:
     raise DataError(f"data source {spec!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
-  if worked_fraction != 1.0:
-    raise DataError(f"data source {spec!r}: worked_fraction={worked_fraction} applies to the synthetic task only; "
-                    "a dataset's solutions are what the file holds")
+  if worked_fraction != 1.0 or worked_by_level:
+    raise DataError(f"data source {spec!r}: worked_fraction={worked_fraction} / worked_by_level={worked_by_level!r} "
+                    "apply to the synthetic task only; a dataset's solutions are what the file holds")
+  if levels:
+    raise DataError(f"data source {spec!r}: levels={levels!r} applies to the synthetic task only")
   if phrasing != "compact":
     raise DataError(f"data source {spec!r}: phrasing={phrasing!r} applies to the synthetic task only; a dataset's "
                     "questions are what the file holds")
@@ -120,7 +127,8 @@ def sources_from_config(config) -> tuple[Source, Source]:
 
   Reads data.{source, eval_source, question_field, answer_field, solution_field, eval_size} and, when present,
   data.eval_fraction (absent: 0, no held-out part), data.data_dir (tfds), data.train_size (synthetic; 0 or absent:
-  20,000), data.worked_fraction (the synthetic train split only; other sources ignore it) and data.phrasing (the
+  20,000), data.worked_fraction and data.worked_by_level (the synthetic train split only; other sources ignore them), data.levels
+  (the synthetic task's mix, both splits) and data.phrasing (the
   synthetic task's question text, both splits; other sources ignore it). The synthetic test
   split's solutions always show their work (they are references, never trained on).
   """
@@ -132,13 +140,16 @@ def sources_from_config(config) -> tuple[Source, Source]:
                 solution_field=data.solution_field, seed=config.seed, data_dir=data.get("data_dir") or None)
   is_synthetic = data.source.startswith("synthetic:")
   phrasing = lambda spec: data.get("phrasing", "compact") if spec.startswith("synthetic:") else "compact"
+  levels = lambda spec: data.get("levels", "") if spec.startswith("synthetic:") else ""
   train = make_source(data.source, split="train", size=data.get("train_size") or None,
                       worked_fraction=data.get("worked_fraction", 1.0) if is_synthetic else 1.0,
-                      phrasing=phrasing(data.source), **kwargs)
+                      worked_by_level=data.get("worked_by_level", "") if is_synthetic else "",
+                      phrasing=phrasing(data.source), levels=levels(data.source), **kwargs)
   if data.eval_source or is_synthetic:
     eval_spec = data.eval_source or data.source
     size = (data.eval_size or None) if eval_spec.startswith("synthetic:") else None
-    return train, make_source(eval_spec, split="test", size=size, phrasing=phrasing(eval_spec), **kwargs)
+    return train, make_source(eval_spec, split="test", size=size, phrasing=phrasing(eval_spec),
+                              levels=levels(eval_spec), **kwargs)
   fraction = data.get("eval_fraction", 0.0)
   if not fraction:
     raise DataError(f"data.source {data.source} has no evaluation set: data.eval_source is empty and "

@@ -20,7 +20,9 @@ the stop token.
 
 `worked_fraction` (config `data.worked_fraction`; the embedded default uses 0.4, the class default is 1) keeps the
 worked solution for that share of the train questions and gives the rest the bare answer (`\\boxed{85}`), a fixed
-draw per (seed, qid) that does not depend on the question. The warm start then imitates a teacher that often skips
+draw per (seed, qid) that does not depend on the question. `worked_by_level` (config `data.worked_by_level`, e.g.
+"add2=1,addsub2=0") sets the share per level instead: the comparison's paper-shaped regime warm-starts a model that
+always solves some levels and almost never others (jaxrlvr/compare_arms.py). The warm start then imitates a teacher that often skips
 its work: the greedy model answers nearly everything bare, which the model does about as well as the worked form
 on 2-digit sums but much worse on 3-digit sums and products (a 1,200-step warm start, 200 held-out questions x 8
 samples at temperature 1: add3 8% bare against 49% worked, mul1x2 21% against 33%). RL on the verifier's reward
@@ -47,7 +49,10 @@ from jaxrlvr.data.types import Example
 
 HELD_OUT_PER_LEVEL = 128  # Test questions reserved per level: a test split holds at most 4 x 128 = 512.
 DEFAULT_SIZES = {"train": 20_000, "test": 200}
-LEVELS = ("add2", "add3", "addsub2", "mul1x2")
+LEVELS = ("add2", "add3", "addsub2", "mul1x2")  # the embedded task's mix (`data.levels` empty)
+# Two more, for a mix of one's own (`data.levels`): a 1-digit plus a 2-digit number, and two 2-digit factors.
+EXTRA_LEVELS = ("add1x2", "mul2x2")
+ALL_LEVELS = LEVELS + EXTRA_LEVELS
 _TWO_DIGIT = np.arange(10, 100)
 PHRASINGS = ("compact", "sentence")
 _SENTENCE = "What is {}? Put the final answer in \\boxed{{}}."
@@ -55,7 +60,8 @@ _SENTENCE = "What is {}? Put the final answer in \\boxed{{}}."
 
 def _level_space(level: str) -> int:
   """How many distinct questions a level has before filtering."""
-  return {"add2": 90 * 90, "add3": 900 * 900, "addsub2": 90 ** 3, "mul1x2": 8 * 90}[level]
+  return {"add2": 90 * 90, "add3": 900 * 900, "addsub2": 90 ** 3, "mul1x2": 8 * 90, "add1x2": 8 * 90,
+          "mul2x2": 90 * 90}[level]
 
 
 def _operands(level: str, index: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -66,13 +72,15 @@ def _operands(level: str, index: np.ndarray) -> tuple[np.ndarray, ...]:
     return 100 + index // 900, 100 + index % 900
   if level == "addsub2":
     return 10 + index // 8100, 10 + (index // 90) % 90, 10 + index % 90
-  return 2 + index // 90, 10 + index % 90  # mul1x2: 1-digit factor 2..9 (x1 would be a copy) times 10..99.
+  if level == "mul2x2":
+    return 10 + index // 90, 10 + index % 90
+  return 2 + index // 90, 10 + index % 90  # mul1x2, add1x2: a digit 2..9 and 10..99.
 
 
 @functools.lru_cache(maxsize=16)
 def _permutation(level: str, seed: int) -> np.ndarray:
   """The level's valid questions in a seed-dependent order (addsub2 keeps only c <= a+b)."""
-  index = np.random.default_rng([seed, LEVELS.index(level)]).permutation(_level_space(level))
+  index = np.random.default_rng([seed, ALL_LEVELS.index(level)]).permutation(_level_space(level))
   if level == "addsub2":
     a, b, c = _operands(level, index)
     index = index[c <= a + b]
@@ -105,7 +113,7 @@ def column_differences(s: int, c: int) -> list[int]:
 
 def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
   """(question, answer, worked solution) text for one question."""
-  if level in ("add2", "add3"):
+  if level in ("add2", "add3", "add1x2"):
     a, b = operands
     work = ",".join(str(s) for s in column_sums(a, b))
     return f"{a}+{b}", str(a + b), f"{work},\\boxed{{{a + b}}}"
@@ -114,6 +122,10 @@ def _render(level: str, operands: tuple[int, ...]) -> tuple[str, str, str]:
     sums = ",".join(str(s) for s in column_sums(a, b))
     diffs = ",".join(str(s) for s in column_differences(a + b, c))
     return f"{a}+{b}-{c}", str(a + b - c), f"{sums},{a + b}-{c}={diffs},\\boxed{{{a + b - c}}}"
+  if level == "mul2x2":  # the partial products by the units and the tens digit, then their sum
+    a, b = operands
+    low, high = a * (b % 10), a * (b // 10)
+    return f"{a}*{b}", str(a * b), f"{low},{high},\\boxed{{{a * b}}}"
   d, x = operands
   low = d * (x % 10)
   tens = d * (x // 10)
@@ -124,15 +136,18 @@ class ArithmeticSource:
   """`synthetic:arithmetic` as a Source: deterministic from (seed, split, qid), nothing stored but permutations."""
 
   def __init__(self, *, split: str = "train", seed: int = 0, size: int | None = None, worked_fraction: float = 1.0,
-               phrasing: str = "compact"):
+               phrasing: str = "compact", worked_by_level: str = "", levels: str = ""):
     if split not in DEFAULT_SIZES:
       raise DataError(f"synthetic:arithmetic: split must be 'train' or 'test', got {split!r}")
     size = DEFAULT_SIZES[split] if size is None else int(size)
     if size < 1:
       raise DataError(f"synthetic:arithmetic: size ({size}) must be >= 1")
-    if split == "test" and size > len(LEVELS) * HELD_OUT_PER_LEVEL:
-      raise DataError(f"synthetic:arithmetic: test size ({size}) must be <= {len(LEVELS) * HELD_OUT_PER_LEVEL} "
-                      f"({HELD_OUT_PER_LEVEL} reserved questions per level)")
+    self.levels = parse_levels(levels)
+    most = max(self.levels.count(level) for level in self.levels)
+    if split == "test" and size > len(self.levels) * (HELD_OUT_PER_LEVEL // most):
+      raise DataError(f"synthetic:arithmetic: test size ({size}) must be <= "
+                      f"{len(self.levels) * (HELD_OUT_PER_LEVEL // most)} ({HELD_OUT_PER_LEVEL} reserved questions per "
+                      f"level, over the mix {list(self.levels)})")
     if not 0.0 <= worked_fraction <= 1.0:
       raise DataError(f"synthetic:arithmetic: worked_fraction must lie in [0, 1], got {worked_fraction!r}")
     if phrasing not in PHRASINGS:
@@ -143,7 +158,8 @@ class ArithmeticSource:
     # Which questions the teacher answers without showing its work: a fixed draw per (seed, qid), so the same
     # question always gets the same kind of solution and the fraction holds within any range of qids.
     draws = np.random.default_rng([seed, len(LEVELS), 1]).random(size)
-    self._bare = draws >= worked_fraction
+    fractions = parse_worked_by_level(worked_by_level, default=worked_fraction)
+    self._bare = draws >= np.asarray([fractions[self.levels[q % len(self.levels)]] for q in range(size)])
 
   def __len__(self) -> int:
     return self.size
@@ -154,9 +170,12 @@ class ArithmeticSource:
   def __getitem__(self, qid: int) -> Example:
     if not 0 <= qid < self.size:
       raise IndexError(f"{self.name}: qid {qid} is outside [0, {self.size})")
-    level = LEVELS[qid % len(LEVELS)]
+    slot = qid % len(self.levels)
+    level = self.levels[slot]
     order = _permutation(level, self.seed)
-    j = qid // len(LEVELS)
+    # A level named r times in the mix takes every r-th question of its order at each of its slots, so repeats of a
+    # level in `data.levels` weight it without repeating its questions.
+    j = (qid // len(self.levels)) * self.levels.count(level) + self.levels[:slot].count(level)
     if self.split == "test":
       position = j
     else:
@@ -169,6 +188,34 @@ class ArithmeticSource:
       solution = f"\\boxed{{{answer}}}"
     return Example(qid=qid, question=question, answer=answer, solution=solution,
                    data_source=f"arithmetic/{level}")
+
+
+def parse_levels(spec: str) -> tuple[str, ...]:
+  """The levels qids cycle through (qid % len): config `data.levels`, e.g. "add1x2,add2,add3,addsub2,mul2x2"; a
+  level named twice gets twice the questions. Empty: the embedded task's four, evenly."""
+  levels = tuple(filter(None, (part.strip() for part in spec.split(",")))) or LEVELS
+  unknown = [level for level in levels if level not in ALL_LEVELS]
+  if unknown:
+    raise DataError(f"synthetic:arithmetic: config.data.levels={spec!r}: unknown level(s) {unknown}; known: "
+                    f"{list(ALL_LEVELS)}")
+  return levels
+
+
+def parse_worked_by_level(spec: str, *, default: float) -> dict[str, float]:
+  """Each level's worked fraction: `default`, but for the levels `spec` names ("add2=1,addsub2=0": config
+  `data.worked_by_level`), so a warm start can leave some levels always solved and others almost never."""
+  fractions = dict.fromkeys(ALL_LEVELS, default)
+  for item in filter(None, (part.strip() for part in spec.split(","))):
+    level, sep, value = item.partition("=")
+    try:
+      fraction = float(value) if sep else float("nan")
+    except ValueError:
+      fraction = float("nan")
+    if level not in ALL_LEVELS or not 0.0 <= fraction <= 1.0:
+      raise DataError(f"synthetic:arithmetic: config.data.worked_by_level={spec!r}: {item!r} must be LEVEL=FRACTION "
+                      f"with LEVEL one of {list(ALL_LEVELS)} and FRACTION in [0, 1]")
+    fractions[level] = fraction
+  return fractions
 
 
 def warm_start_texts(source, *, template: str = "plain", tokenizer=None, qids=None) -> list[tuple[str, str]]:

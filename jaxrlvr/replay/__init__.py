@@ -42,7 +42,9 @@ STRATEGIES = {
 # config.replay keys each strategy reads (besides `name`); a key no strategy knows is a typo and an error.
 CONFIG_KEYS = {
     "none": ("max_tokens",),
-    "exgrpo": ("max_tokens", "rho", "bucket_sigma", "bucket_scale", "start_solve_rate"),
+    # behaviour_logprobs: read by the loop, which records the trainer's log-probs before the strategy stores them
+    "exgrpo": ("max_tokens", "rho", "bucket_sigma", "bucket_scale", "start_solve_rate", "store_before_start",
+               "behaviour_logprobs"),
     "advantage_priority": ("max_tokens", "capacity", "tau_max", "alpha", "priority_eps", "warmup_steps",
                            "replay_fraction", "composition", "priority"),
     "bapo": ("max_tokens", "c1", "c2", "c3", "adaptive_bounds", "hard_capacity", "reroll_every", "reroll_max",

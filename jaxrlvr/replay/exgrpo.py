@@ -15,7 +15,9 @@ The rules (docs/design.md, "ExGRPO"; where the paper and its released code diffe
   its stored answer as the K-th member; exactly B - n_replay fresh questions are drawn (retired ones skipped, so
   the data iterator is asked again for the shortfall and no live question is lost).
 - Delayed start: on-policy until the batch solve rate (correct / all rollouts of the final batch) exceeds
-  `start_solve_rate`; then replay stays on. 0 starts at once. The buffer is filled from step 0 either way.
+  `start_solve_rate`; then replay stays on. 0 starts at once. Before the start no answer is stored and no bucket
+  moves (released code; the batch whose solve rate starts replay is the first one stored); `store_before_start`
+  fills the buffer from step 0 instead. Retirement applies from step 0 either way.
 - A replayed answer always carries its recorded log-probs; storing a rollout without them is an error.
 - Memory cap (`replay.max_tokens` > 0): after each step the oldest stored answers are evicted until the buffer
   holds at most that many tokens; a question left without answers leaves the buffer (not retired).
@@ -63,7 +65,7 @@ class ExGRPO(base.Strategy):
 
   def __init__(self, *, batch_size: int, group_size: int, seed: int = 0, scale_by_std: bool = False,
                max_tokens: int = 0, rho: float = 0.5, bucket_sigma: float = 1.0, bucket_scale: str = "count",
-               start_solve_rate: float = 0.35, page_tokens: int = 1 << 22):
+               start_solve_rate: float = 0.35, store_before_start: bool = False, page_tokens: int = 1 << 22):
     super().__init__(batch_size=batch_size, group_size=group_size, seed=seed, scale_by_std=scale_by_std,
                      max_tokens=max_tokens)
     if not 0.0 <= rho <= 1.0:
@@ -75,6 +77,7 @@ class ExGRPO(base.Strategy):
     self._log_w_list = [float(x) for x in _log_bucket_weights(self.K, float(bucket_sigma), bucket_scale)]
     self.bucket_sigma, self.bucket_scale = float(bucket_sigma), bucket_scale
     self.start_solve_rate = float(start_solve_rate)
+    self.store_before_start = bool(store_before_start)
     self.store = RolloutStore(page_tokens=page_tokens)
     self._answers: dict = {}  # qid -> [row ids], oldest first
     self._bucket: dict = {}  # qid -> k, its latest correct count
@@ -93,7 +96,8 @@ class ExGRPO(base.Strategy):
               max_tokens=base.config_get(r, "max_tokens", 0), rho=base.config_get(r, "rho", 0.5),
               bucket_sigma=base.config_get(r, "bucket_sigma", 1.0),
               bucket_scale=base.config_get(r, "bucket_scale", "count"),
-              start_solve_rate=base.config_get(r, "start_solve_rate", 0.35))
+              start_solve_rate=base.config_get(r, "start_solve_rate", 0.35),
+              store_before_start=base.config_get(r, "store_before_start", False))
     kw.update(overrides)
     return cls(**kw)
 
@@ -212,6 +216,9 @@ class ExGRPO(base.Strategy):
   def observe(self, plan: Plan, sampled: Sequence[Group]) -> None:
     """Store, bucket and retire from the final groups (the replayed answer counts in k), evict, switch phase."""
     self._require_composed(plan, sampled)
+    solve_rate = self._step_metrics.get("replay/solve_rate", 0.0)
+    starts_now = not self.active and solve_rate > self.start_solve_rate
+    storing = self.active or starts_now or self.store_before_start
     pending: dict = {}  # qid -> new correct answers of this step (deduplicated), stored in one batch below
     latest_k: dict = {}  # qid -> its latest k in 1..K-1 this step
     retired_now = 0
@@ -225,7 +232,7 @@ class ExGRPO(base.Strategy):
         pending.pop(q, None)
         latest_k.pop(q, None)
         retired_now += 1
-      elif k > 0:
+      elif k > 0 and storing:
         new = pending.setdefault(q, [])
         rows = self._answers.get(q)
         stored_lengths = set(self.store.get("length", np.asarray(rows)).tolist()) if rows else set()
@@ -245,9 +252,7 @@ class ExGRPO(base.Strategy):
     self._totals["stored"] += len(answers)
     evicted_before = (self._totals["evicted_rows"], self._totals["evicted_tokens"])
     self._evict_to_cap()
-    solve_rate = self._step_metrics.get("replay/solve_rate", 0.0)
-    if not self.active and solve_rate > self.start_solve_rate:
-      self.active = True
+    self.active = self.active or starts_now
     self._step_metrics.update({
         "replay/stored": float(len(answers)),
         "replay/retired_now": float(retired_now),

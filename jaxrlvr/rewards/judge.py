@@ -5,8 +5,10 @@ Two judges share one interface, `Judge.score(requests) -> results` (same order, 
 - `HttpJudge`: any OpenAI-compatible `/v1/chat/completions` server (vLLM, SGLang). Standard library only, so a
   training host needs no client package. Requests run on a bounded thread pool; connection errors, timeouts, 429
   and 5xx are retried with exponential backoff; a request that still fails becomes a result with `score=None` and
-  `error` set, never an exception, so one slow judge reply cannot stall or kill a training step. Configuration
-  mistakes that no retry can fix (401, 403, 404: wrong key, URL or model name) raise `JudgeError` at once.
+  `error` set, so one slow judge reply cannot stall or kill a training step (`on_failure="error"` raises
+  `JudgeError` naming the URL instead). Once one request of a batch has failed all its tries, the others get one try
+  each: a server that is down costs a step one round of retries, not one per request. Configuration mistakes that no
+  retry can fix (401, 403, 404: wrong key, URL or model name) raise `JudgeError` at once.
 - `ModelJudge`: a model loaded by this package, decoded greedily by `jaxrlvr.sampling.generate`.
 
 A result whose reply was received but states no verdict has `score=None, error=None` (a parse failure); the
@@ -18,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import http.client
 import json
+import threading
 import time
 from typing import Any
 import urllib.error
@@ -101,12 +104,14 @@ class HttpJudge(Judge):
   Greedy (temperature 0) by default so the same answer gets the same score. `max_retries` counts the tries after
   the first; the wait before try i (1-based) is min(backoff_s * 2**(i-1), max_backoff_s). `timeout_s` bounds each
   socket operation of one try (connect, and each read), so a server that does not answer within it is a failed try.
+  `on_failure`: what a request that failed every try becomes: "skip" (a result with `error`; ExpRL removes the
+  rollout from the loss and counts it in judge/request_failures) or "error" (`score` raises JudgeError).
   """
 
   def __init__(self, base_url: str, model: str, *, timeout_s: float = 120.0, max_retries: int = 3,
                max_concurrency: int = 32, api_key: str | None = None, max_tokens: int = 1024,
                temperature: float = 0.0, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
-               extra_body: dict[str, Any] | None = None):
+               extra_body: dict[str, Any] | None = None, on_failure: str = "skip"):
     if not base_url.startswith(("http://", "https://")):
       raise ValueError(f"HttpJudge: base_url={base_url!r} must start with http:// or https://")
     if not model:
@@ -117,6 +122,9 @@ class HttpJudge(Judge):
       raise ValueError(f"HttpJudge: max_retries={max_retries} must be >= 0")
     if max_concurrency < 1:
       raise ValueError(f"HttpJudge: max_concurrency={max_concurrency} must be >= 1")
+    if on_failure not in ("skip", "error"):
+      raise ValueError(f"HttpJudge: on_failure={on_failure!r} must be 'skip' or 'error'")
+    self.on_failure = on_failure
     self.url = chat_completions_url(base_url)
     self.model = model
     self.timeout_s = float(timeout_s)
@@ -135,8 +143,15 @@ class HttpJudge(Judge):
     if not requests:
       return []
     workers = min(self.max_concurrency, len(requests))
+    exhausted = threading.Event()  # set once a request of this batch failed all its tries: the others try once
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="judge") as pool:
-      return list(pool.map(self._score_one, requests))
+      results = list(pool.map(lambda r: self._score_one(r, exhausted), requests))
+    failed = [r for r in results if r.error is not None]
+    if failed and self.on_failure == "error":
+      raise JudgeError(f"HttpJudge: {self.url} failed {len(failed)} of {len(results)} requests after up to "
+                       f"{self.max_retries} retries (last error: {failed[-1].error}); config "
+                       "exprl.judge.on_failure='error' stops the run (set 'skip' to train on without those rollouts)")
+    return results
 
   def _body(self, request: JudgeRequest) -> bytes:
     body = {"model": self.model, "messages": judge_prompts.build_messages(request),
@@ -144,13 +159,16 @@ class HttpJudge(Judge):
     body.update(self.extra_body)
     return json.dumps(body).encode("utf-8")
 
-  def _score_one(self, request: JudgeRequest) -> JudgeResult:
+  def _score_one(self, request: JudgeRequest, exhausted: threading.Event | None = None) -> JudgeResult:
     body = self._body(request)
     start = time.monotonic()
     error = None
     attempts = 0
     for attempt in range(self.max_retries + 1):
       if attempt:
+        if exhausted is not None and exhausted.is_set():
+          error += " (not retried: another request of the batch already failed every try)"
+          break
         time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
       attempts += 1
       try:
@@ -164,6 +182,8 @@ class HttpJudge(Judge):
       text, tokens = reply
       return JudgeResult(score=judge_prompts.parse_score(text), text=text, latency_s=time.monotonic() - start,
                          tokens_sent=tokens, error=None, attempts=attempts)
+    if exhausted is not None and attempts == self.max_retries + 1:
+      exhausted.set()
     return JudgeResult(score=None, text="", latency_s=time.monotonic() - start, tokens_sent=None, error=error,
                        attempts=attempts)
 
@@ -311,8 +331,8 @@ class ModelJudge(Judge):
 def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None, sampler_limits=None) -> Judge:
   """Builds the judge named by `cfg.kind` ("http" | "model") from the `exprl.judge` config block.
 
-  http: base_url, model_name, timeout_s, max_retries, max_concurrency, max_tokens, api_key_env (the NAME of an
-  environment variable holding the key, so keys never sit in configs or checkpoints).
+  http: base_url, model_name, timeout_s, max_retries, max_concurrency, max_tokens, on_failure ("skip" | "error"),
+  api_key_env (the NAME of an environment variable holding the key, so keys never sit in configs or checkpoints).
   model: the caller loads the judge model and tokenizer (e.g. `models.load_pretrained(cfg.path)`) and passes them;
   max_new_tokens, batch_size, max_prompt_tokens (0: no limit); `sampler_limits` (the config's rollout.*
   max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens, and engine, decode_slots,
@@ -328,7 +348,8 @@ def judge_from_config(cfg, *, model=None, tokenizer=None, mesh=None, sampler_lim
       if not api_key:
         raise JudgeError(f"config exprl.judge.api_key_env={cfg.api_key_env!r}: that environment variable is not set")
     return HttpJudge(cfg.base_url, cfg.model_name, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
-                     max_concurrency=cfg.max_concurrency, api_key=api_key, max_tokens=cfg.max_tokens)
+                     max_concurrency=cfg.max_concurrency, api_key=api_key, max_tokens=cfg.max_tokens,
+                     on_failure=cfg.get("on_failure", "skip"))
   if kind == "model":
     if model is None or tokenizer is None:
       raise JudgeError("config exprl.judge.kind='model': pass the loaded judge model and tokenizer to "

@@ -4,8 +4,9 @@ math-verify times itself with `signal.alarm`, which works only in a process's ma
 code running inside C (a huge integer power, a regex); some inputs (`9^{9^{9^{9^{9}}}}`, deep nesting, megabyte
 strings) take seconds or never finish. So scoring runs in a pool of persistent worker processes (`math_worker.py`,
 a fresh interpreter each), and the parent enforces a wall-clock deadline per item: an item that overruns is
-scored 0, its worker is killed and replaced, and the batch always completes. A worker that dies scores its
-current item 0 the same way; the items queued behind it are re-queued.
+scored 0, its worker is killed and replaced, and the batch always completes. A worker that dies (killed by the
+system, out of memory) is replaced and its items are re-queued, the one it was on included: that item is scored 0
+only if it kills a second worker too (then it is the item's fault). `worker_restarts` counts the replacements.
 
 Before anything goes to a worker, a fast path settles the common case exactly: the gold answer is a plain
 integer and the completion ends in its only `\\boxed{<integer>}` (see `fast_verdict` for why this gives the same
@@ -251,7 +252,8 @@ class MathRewardPool:
     Returns:
       rewards: [N] float32 of 0/1.
       info: counts of `fast_path` (settled without math-verify), `verified` (sent to math-verify), `timeouts`,
-        `crashes`, `missing_think`, `not_literal` (scored 0 by `literal_numbers`), and `seconds` for the batch.
+        `crashes` (items scored 0 after killing two workers), `worker_restarts` (workers replaced after a timeout or
+        a death), `missing_think`, `not_literal` (scored 0 by `literal_numbers`), and `seconds` for the batch.
     """
     if not self._finalizer.alive:
       raise RuntimeError("MathRewardPool.score called after close()")
@@ -262,7 +264,7 @@ class MathRewardPool:
     literal_numbers = self.literal_numbers if literal_numbers is None else literal_numbers
     t0 = time.monotonic()
     rewards = np.zeros(len(completions), np.float32)
-    info = dict(fast_path=0, verified=0, timeouts=0, crashes=0, missing_think=0, not_literal=0)
+    info = dict(fast_path=0, verified=0, timeouts=0, crashes=0, worker_restarts=0, missing_think=0, not_literal=0)
     jobs = {}
     for i, (completion, gold) in enumerate(zip(completions, answers)):
       if not isinstance(completion, str) or not isinstance(gold, str):
@@ -305,6 +307,7 @@ class MathRewardPool:
     for items in by_gold.values():
       min(queues, key=len).extend(items)
     remaining = len(jobs)
+    crashed = collections.Counter()  # item -> workers it was on when they died
     while remaining:
       now = time.monotonic()
       for slot, worker in enumerate(self._workers):  # Dispatch.
@@ -344,7 +347,7 @@ class MathRewardPool:
         except BlockingIOError:
           continue
         if not data:
-          remaining -= self._retire(worker, queues, rewards, info, reason="crashes")
+          remaining -= self._retire(worker, queues, rewards, info, reason="crashes", crashed=crashed)
           continue
         worker.inbuf += data
         remaining -= self._read_results(worker, rewards, info)
@@ -384,16 +387,23 @@ class MathRewardPool:
     return done
 
   def _retire(self, worker: _Worker, queues: list[collections.deque], rewards: np.ndarray, info: dict,
-              *, reason: str) -> int:
-    """Kills a worker whose head item overran or crashed it: that item scores 0, the rest are re-queued."""
+              *, reason: str, crashed: collections.Counter | None = None) -> int:
+    """Replaces a worker whose head item overran or who died. An overrun head item scores 0; so does the head
+    item of a death when it was on a worker that died before (else it is re-queued with the rest)."""
     if not worker.ready:
       code = worker.proc.poll()
       self._fail_start(worker, f"exited with code {code} before it was ready")
     _stop_worker(worker, kill=True)
     slot = self._workers.index(worker)
     self._workers[slot] = _spawn_worker()  # In place: the finalizer holds this list.
+    info["worker_restarts"] += 1
     if not worker.inflight:
       return 0
+    if crashed is not None:
+      crashed[worker.inflight[0]] += 1
+      if crashed[worker.inflight[0]] < 2:  # the system's doing, not the item's (yet): score it again
+        queues[slot].extendleft(reversed(worker.inflight))
+        return 0
     head = worker.inflight.popleft()
     rewards[head] = 0.0
     info[reason] += 1

@@ -1,0 +1,132 @@
+"""What a run does when it is told to stop, or when a part of it keeps failing (README, "Preemption and faults").
+
+Preemption. Schedulers (SLURM, TPU pods, spot machines) stop a job with SIGTERM and kill it some seconds later; a
+user stops one with Ctrl-C (SIGINT). Once the run is built (from the step-0 evaluation on), `StopSignals` turns the
+first such signal into a request that the loop honours at one fixed point of every step: after the step's logging,
+evaluation and periodic checkpoint. The step in flight thus finishes exactly as it would have, so metrics.jsonl
+holds the uninterrupted run's rows up to it and the resumed run continues bit for bit (what a step computes never
+depends on the signal).
+With several processes the request is agreed there (`multihost.agree_any`, one tiny collective a step, at the same
+point on every host), so every host saves the same step and none waits in a collective the others have left. The run
+then writes the checkpoint of that step (unless the step just wrote one), closes its metrics, prints
+`jaxrlvr: preempted at step N; the same command resumes` and exits 0 for SIGTERM (the scheduler asked for it; a
+requeued job resumes) or 130 for SIGINT (the shell's convention for Ctrl-C).
+
+A second signal ends the process at once, exit 128 + the signal's number: orbax writes a checkpoint into a temporary
+directory and renames it when it is complete (checkpointing.py), so a save cut short leaves the last complete
+checkpoint the latest. The same signal again within `DUPLICATE_S` is the same request, not a second one: a scheduler
+that stops a job signals several of its processes (SLURM's srun forwards the SIGTERM its tasks also get). While the
+run is built (data, model, warm start, compilation) a signal keeps its default effect: nothing is lost by dying there.
+
+Non-finite updates. step.py skips an optimizer step whose gradient norm is not finite, and counts it
+(`optim/skipped`). A run that keeps producing them has diverged; `NonFiniteStreak` stops it once
+`optim.max_nonfinite_steps` steps in a row had a non-finite loss or gradient norm, naming the step and the metric.
+"""
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+import jax
+from absl import logging
+
+from jaxrlvr import multihost
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_S = 1.0
+_EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 128 + signal.SIGINT}  # 130: what a shell reports for Ctrl-C
+
+
+class RunError(RuntimeError):
+  """A run that cannot go on for a reason outside the code (a disk that refuses the checkpoint, a diverged loss):
+  main.py prints it as one `jaxrlvr: error: ...` line and exits 2."""
+
+
+class Preempted(SystemExit):
+  """Raised by `StopSignals.stop` once the step is saved: the process exits with `code` (0 for SIGTERM)."""
+
+  def __init__(self, step: int, code: int):
+    super().__init__(code)
+    self.step = step
+
+
+class StopSignals:
+  """SIGTERM and SIGINT handlers that record a stop request, from construction until `stop` or `restore`.
+
+  Off the main thread (a notebook's worker thread) Python cannot install signal handlers; the run then keeps the
+  signals' default effect, and says so.
+  """
+
+  def __init__(self):
+    self.received: int | None = None
+    self._received_at = 0.0
+    self._previous: dict[int, object] = {}
+    if threading.current_thread() is not threading.main_thread():
+      logging.info("stop signals keep their default effect: the run is not in the main thread")
+      return
+    for signum in STOP_SIGNALS:
+      self._previous[signum] = signal.signal(signum, self._handle)
+
+  def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
+    name = signal.Signals(signum).name
+    if self.received == signum and time.monotonic() - self._received_at < DUPLICATE_S:
+      return
+    if self.received is not None:
+      # os.write and os._exit only: this may interrupt the checkpoint write, whose temporary directory is not the
+      # latest checkpoint, and must not wait for anything the interrupted code holds.
+      os.write(2, f"jaxrlvr: {name} again; stopping now (the last complete checkpoint stays the latest)\n".encode())
+      os._exit(128 + signum)  # pylint: disable=protected-access
+    self.received, self._received_at = signum, time.monotonic()
+    os.write(2, f"jaxrlvr: {name} received; finishing the step in flight, then saving it (send it again to stop "
+                "at once)\n".encode())
+
+  def agreed(self) -> bool:
+    """Whether any process received a stop signal. Every process calls this at the same point of every step."""
+    return multihost.agree_any(self.received is not None)
+
+  def stop(self, step: int, *, save, close) -> None:
+    """Saves step `step` (`save`: None when the step's checkpoint was just written), calls each of `close` (the
+    metric writer first: metrics.jsonl is complete), prints the line and raises `Preempted`."""
+    if save is not None:
+      save()
+    for fn in close:
+      fn()
+    self.restore()
+    logging.info("preempted at step %d (signal %s)", step, self.received)
+    print(f"jaxrlvr: preempted at step {step}; the same command resumes", flush=True)
+    sys.stderr.flush()
+    raise Preempted(step, _EXIT_CODES.get(self.received, 0))
+
+  def restore(self) -> None:
+    """The handlers that were there before (a run that finished hands the signals back)."""
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
+
+
+class NonFiniteStreak:
+  """Counts the steps in a row whose loss or gradient norm is not finite; raises `RunError` at `limit` (0: never).
+
+  The update metrics are global (replicated over hosts), so every process stops at the same step.
+  """
+  KEYS = ("loss/total", "optim/grad_norm")
+
+  def __init__(self, limit: int, checkpoint_dir: str):
+    self.limit = int(limit)
+    self.checkpoint_dir = checkpoint_dir
+    self.count = 0
+
+  def check(self, step: int, update_metrics: dict) -> None:
+    if not self.limit:
+      return
+    values = jax.device_get({k: update_metrics[k] for k in self.KEYS if k in update_metrics})
+    bad = [f"{k}={float(v)}" for k, v in values.items() if not math.isfinite(float(v))]
+    self.count = self.count + 1 if bad else 0
+    if self.count >= self.limit:
+      raise RunError(
+          f"step {step}: {', '.join(bad)}; {self.count} steps in a row had a non-finite loss or gradient norm "
+          f"(config optim.max_nonfinite_steps={self.limit}), so their updates were skipped (optim/skipped) and the "
+          f"run stopped (the checkpoints in {self.checkpoint_dir} are as they were). Start again in a new --workdir "
+          "with a lower optim.lr, or resume with a higher optim.max_nonfinite_steps (0: never stop)")
