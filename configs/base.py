@@ -141,7 +141,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.train.replayed_grad_share = False
   # A run from step 0 whose policy answers none of the held-out rows at step 0 and none (under 1%, chance hits) of
   # the rollouts of its first N steps (the groups' advantages 0: RL has nothing to learn from) stops after step N
-  # with what to change, exit code 2 (train.UnsolvableWatch); 0: never stop. Only a run longer than N steps.
+  # with what to change, exit code 2 (faults.UnsolvableWatch); 0: never stop. Only a run longer than N steps.
   c.train.stop_if_unsolvable_steps = 8
 
   c.replay = ml_collections.ConfigDict()

@@ -18,6 +18,9 @@ checkpoint the latest. The same signal again within `DUPLICATE_S` is the same re
 that stops a job signals several of its processes (SLURM's srun forwards the SIGTERM its tasks also get). While the
 run is built (data, model, warm start, compilation) a signal keeps its default effect: nothing is lost by dying there.
 
+A start with nothing to learn from. `UnsolvableWatch` stops a run from step 0 whose policy answers none of the
+held-out rows and (next to) none of its first steps' rollouts (`train.stop_if_unsolvable_steps`), with what to change.
+
 Non-finite updates. step.py skips an optimizer step whose gradient norm is not finite, and counts it
 (`optim/skipped`). A run that keeps producing them has diverged; `NonFiniteStreak` stops it once
 `optim.max_nonfinite_steps` steps in a row had a non-finite loss or gradient norm, naming the step and the metric.
@@ -32,7 +35,11 @@ import time
 import jax
 from absl import logging
 
+from jaxrlvr import config_lib
+from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import multihost
+from jaxrlvr import replay
+from jaxrlvr import warm_start
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_S = 1.0
@@ -130,3 +137,88 @@ class NonFiniteStreak:
           f"(config optim.max_nonfinite_steps={self.limit}), so their updates were skipped (optim/skipped) and the "
           f"run stopped (the checkpoints in {self.checkpoint_dir} are as they were). Start again in a new --workdir "
           "with a lower optim.lr, or resume with a higher optim.max_nonfinite_steps (0: never stop)")
+
+
+UNSOLVABLE_SOLVE_RATE = 0.01  # the share of correct rollouts under which a start counts as unsolvable (UnsolvableWatch)
+
+
+class UnsolvableStart(config_lib.ConfigError):
+  """A run stopped by `train.stop_if_unsolvable_steps`: its policy solves nothing, so RL cannot learn. A ConfigError,
+  so `python -m jaxrlvr.main` ends with its one line and exit code 2, as for any setting that cannot work."""
+
+
+class UnsolvableWatch:
+  """Stops a run whose policy has nothing to learn from, after its first `train.stop_if_unsolvable_steps` steps.
+
+  A group without a correct rollout has advantages 0, so a policy that answers none of the held-out rows at step 0
+  and (next to) none of the rollouts of the first N steps gets (next to) no gradient from the verifier, and would
+  train to the end at 0 accuracy: a preset at random initialisation, a model that cannot write the answers. "Next to
+  none" is under `UNSOLVABLE_SOLVE_RATE` of them: a model at random initialisation hits an answer by chance (the
+  tiny preset, 1 of the 1,024 rollouts of 8 steps on 60 rows of 2- and 3-digit arithmetic), and 200 steps from
+  there stayed at 0 (issue #32). Only a run from step 0 is watched (a resumed one has trained, or was watched), and
+  only one longer than N steps (a shorter one, a smoke config's, ends anyway). The hosts decide together: the
+  evaluation is the same on every host, and the rollout counts are summed over hosts at step N (`host_mean`).
+  """
+
+  def __init__(self, config, *, start_step: int, num_eval: int, writer: metrics_lib.MetricWriter | None = None):
+    self.config, self.num_eval, self.writer = config, num_eval, writer
+    self.steps = int(config.train.get("stop_if_unsolvable_steps", 0))  # absent from a config built by hand: off
+    if self.steps < 0:
+      raise config_lib.ConfigError(f"config.train.stop_if_unsolvable_steps={self.steps}: must be >= 0 (the first "
+                                   "steps watched for a policy that solves nothing; 0: never stop)")
+    self.active = bool(self.steps) and start_step == 0 and self.steps < config.total_steps
+    self.eval_solved = False
+    self.correct = self.rollouts = 0  # this host's, over the watched steps
+
+  def evaluated(self, metrics: dict) -> dict:
+    """Notes whether the step-0 evaluation answered any held-out row (greedy, or any of eval.k samples); returns
+    `metrics` unchanged."""
+    self.eval_solved = self.eval_solved or any(
+        value > 0 for key, value in metrics.items() if key == "eval/accuracy" or key.startswith("eval/pass@"))
+    return metrics
+
+  def sampled(self, done: int, groups) -> None:
+    """Counts the correct rollouts of step `done` (1-based); at step N raises UnsolvableStart on every host when the
+    step-0 evaluation answered nothing and under UNSOLVABLE_SOLVE_RATE of the watched rollouts were correct."""
+    if not self.active or done > self.steps:
+      return
+    rewards = [r.reward for g in groups for r in g.rollouts]
+    self.correct += sum(reward >= replay.CORRECT_THRESHOLD for reward in rewards)
+    self.rollouts += len(rewards)
+    if done < self.steps:
+      return
+    self.active = False
+    hosts = multihost.process_count()
+    mean = multihost.host_mean({"correct": float(self.correct), "rollouts": float(self.rollouts)})
+    correct, rollouts = round(mean["correct"] * hosts), round(mean["rollouts"] * hosts)
+    if self.eval_solved or correct >= UNSOLVABLE_SOLVE_RATE * rollouts:
+      return
+    if self.writer is not None:  # the run ends here: its progress bar ends now, above the message, not after it
+      self.writer.close()
+    raise UnsolvableStart(self._message(done, correct, rollouts))
+
+  def _message(self, done: int, correct: int, rollouts: int) -> str:
+    c = self.config
+    if c.model.path:
+      start, remedy = f"model.path={c.model.path}", "another --config.model.path"
+    else:
+      start = f"the {c.model.preset!r} preset"
+      remedies = [f"a pretrained preset (--config=configs/{c.method}.py:model=smollm2-135m)"]
+      if not c.warm_start.steps:
+        remedies.append("a warm start on the rows' solutions (--config.warm_start.steps, e.g. 1200)")
+      else:
+        remedies.append(f"a '{c.data.solution_field}' field (data.solution_field) in the rows of {c.data.source} to "
+                        "warm-start on")
+        if warm_start.embedded_model(c) and not warm_start.embedded_fallback(c):
+          remedies.append("the embedded task's warm start (--config.warm_start.embedded_fallback=True)")
+      remedy = ", ".join(remedies[:-1]) + ", or " + remedies[-1]
+    held_out = f"{self.num_eval} held-out row{'' if self.num_eval == 1 else 's'}"
+    if correct:
+      hits = (f"{correct} of the {rollouts:,} rollouts of steps 1-{done} ({correct / rollouts:.1%}, under "
+              f"{UNSOLVABLE_SOLVE_RATE:.0%}), so nearly every group's advantages are 0")
+    else:
+      hits = f"none of the {rollouts:,} rollouts of steps 1-{done}, so every group's advantages are 0"
+    return (f"stopped after step {done} of {c.total_steps} (train.stop_if_unsolvable_steps={self.steps}): RL from "
+            f"{start} answered none of the {held_out} at step 0 and {hits}: there is nothing to learn from. Start "
+            f"from a model that solves some: {remedy}; or go on anyway with "
+            "--config.train.stop_if_unsolvable_steps=0")

@@ -70,10 +70,6 @@ def host_batch_size(config: ml_collections.ConfigDict, num_hosts: int) -> int:
   return batch_size // num_hosts
 
 
-EMBEDDED_PRESET = "tiny"  # the embedded default's model (configs/base.py)
-EMBEDDED_TASK = "synthetic:arithmetic"  # its task, whose worked solutions the default command warm-starts on
-
-
 def build_policy(config, mesh, book: rollout.PromptBook):
   """The policy to start RL from: an HF checkpoint, or a preset initialised at random, warm-started on the training
   rows' solutions (the embedded task's worked solutions, a dataset's `data.solution_field`) when every row has one.
@@ -101,12 +97,12 @@ def build_policy(config, mesh, book: rollout.PromptBook):
     pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.prompt_ids, max_rows=max_rows,
                                                completion_len=config.rollout.max_new_tokens)
     task = config.data.source
-    if missing and _embedded_fallback(config):
-      pairs, task = _embedded_warm_start_pairs(config, tokenizer, max_rows), EMBEDDED_TASK
+    if missing and warm_start.embedded_fallback(config):
+      pairs, task = warm_start.embedded_pairs(config, tokenizer, max_rows), warm_start.EMBEDDED_TASK
       note = (f"{missing} of the first {min(len(book.source), max_rows)} training rows of {config.data.source} have no "
               f"'{config.data.solution_field}' (data.solution_field) to imitate, so the {config.model.preset!r} preset "
-              f"is warm-started on the embedded task's worked solutions ({EMBEDDED_TASK}, the default command's "
-              f"cached warm start) and RL then trains on the rows of {config.data.source}; "
+              f"is warm-started on the embedded task's worked solutions ({warm_start.EMBEDDED_TASK}, the default "
+              f"command's cached warm start) and RL then trains on the rows of {config.data.source}; "
               "--config.warm_start.embedded_fallback=False skips this")
       logging.info("warm start on the embedded task: %s", note)
       if multihost.is_main():
@@ -279,7 +275,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     multihost.agree_phase(strategy)  # ExGRPO: replay turns on for every host at once
     return time.perf_counter() - t
 
-  unsolvable = UnsolvableWatch(config, start_step=start_step, num_eval=num_eval, writer=writer)
+  unsolvable = faults.UnsolvableWatch(config, start_step=start_step, num_eval=num_eval, writer=writer)
   if start_step == 0:
     writer.write(0, unsolvable.evaluated(evaluate(state.params, 0)))
 
@@ -394,123 +390,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   reward_pool.close()
   checkpointer.close()
   return last
-
-
-UNSOLVABLE_SOLVE_RATE = 0.01  # the share of correct rollouts under which a start counts as unsolvable (UnsolvableWatch)
-
-
-class UnsolvableStart(config_lib.ConfigError):
-  """A run stopped by `train.stop_if_unsolvable_steps`: its policy solves nothing, so RL cannot learn. A ConfigError,
-  so `python -m jaxrlvr.main` ends with its one line and exit code 2, as for any setting that cannot work."""
-
-
-class UnsolvableWatch:
-  """Stops a run whose policy has nothing to learn from, after its first `train.stop_if_unsolvable_steps` steps.
-
-  A group without a correct rollout has advantages 0, so a policy that answers none of the held-out rows at step 0
-  and (next to) none of the rollouts of the first N steps gets (next to) no gradient from the verifier, and would
-  train to the end at 0 accuracy: a preset at random initialisation, a model that cannot write the answers. "Next to
-  none" is under `UNSOLVABLE_SOLVE_RATE` of them: a model at random initialisation hits an answer by chance (the
-  tiny preset, 1 of the 1,024 rollouts of 8 steps on 60 rows of 2- and 3-digit arithmetic), and 200 steps from
-  there stayed at 0 (issue #32). Only a run from step 0 is watched (a resumed one has trained, or was watched), and
-  only one longer than N steps (a shorter one, a smoke config's, ends anyway). The hosts decide together: the
-  evaluation is the same on every host, and the rollout counts are summed over hosts at step N (`host_mean`).
-  """
-
-  def __init__(self, config, *, start_step: int, num_eval: int, writer: metrics_lib.MetricWriter | None = None):
-    self.config, self.num_eval, self.writer = config, num_eval, writer
-    self.steps = int(config.train.get("stop_if_unsolvable_steps", 0))  # absent from a config built by hand: off
-    if self.steps < 0:
-      raise config_lib.ConfigError(f"config.train.stop_if_unsolvable_steps={self.steps}: must be >= 0 (the first "
-                                   "steps watched for a policy that solves nothing; 0: never stop)")
-    self.active = bool(self.steps) and start_step == 0 and self.steps < config.total_steps
-    self.eval_solved = False
-    self.correct = self.rollouts = 0  # this host's, over the watched steps
-
-  def evaluated(self, metrics: dict) -> dict:
-    """Notes whether the step-0 evaluation answered any held-out row (greedy, or any of eval.k samples); returns
-    `metrics` unchanged."""
-    self.eval_solved = self.eval_solved or any(
-        value > 0 for key, value in metrics.items() if key == "eval/accuracy" or key.startswith("eval/pass@"))
-    return metrics
-
-  def sampled(self, done: int, groups) -> None:
-    """Counts the correct rollouts of step `done` (1-based); at step N raises UnsolvableStart on every host when the
-    step-0 evaluation answered nothing and under UNSOLVABLE_SOLVE_RATE of the watched rollouts were correct."""
-    if not self.active or done > self.steps:
-      return
-    rewards = [r.reward for g in groups for r in g.rollouts]
-    self.correct += sum(reward >= replay.CORRECT_THRESHOLD for reward in rewards)
-    self.rollouts += len(rewards)
-    if done < self.steps:
-      return
-    self.active = False
-    hosts = multihost.process_count()
-    mean = multihost.host_mean({"correct": float(self.correct), "rollouts": float(self.rollouts)})
-    correct, rollouts = round(mean["correct"] * hosts), round(mean["rollouts"] * hosts)
-    if self.eval_solved or correct >= UNSOLVABLE_SOLVE_RATE * rollouts:
-      return
-    if self.writer is not None:  # the run ends here: its progress bar ends now, above the message, not after it
-      self.writer.close()
-    raise UnsolvableStart(self._message(done, correct, rollouts))
-
-  def _message(self, done: int, correct: int, rollouts: int) -> str:
-    c = self.config
-    if c.model.path:
-      start, remedy = f"model.path={c.model.path}", "another --config.model.path"
-    else:
-      start = f"the {c.model.preset!r} preset"
-      remedies = [f"a pretrained preset (--config=configs/{c.method}.py:model=smollm2-135m)"]
-      if not c.warm_start.steps:
-        remedies.append("a warm start on the rows' solutions (--config.warm_start.steps, e.g. 1200)")
-      else:
-        remedies.append(f"a '{c.data.solution_field}' field (data.solution_field) in the rows of {c.data.source} to "
-                        "warm-start on")
-        if _embedded_model(c) and not _embedded_fallback(c):
-          remedies.append("the embedded task's warm start (--config.warm_start.embedded_fallback=True)")
-      remedy = ", ".join(remedies[:-1]) + ", or " + remedies[-1]
-    held_out = f"{self.num_eval} held-out row{'' if self.num_eval == 1 else 's'}"
-    if correct:
-      hits = (f"{correct} of the {rollouts:,} rollouts of steps 1-{done} ({correct / rollouts:.1%}, under "
-              f"{UNSOLVABLE_SOLVE_RATE:.0%}), so nearly every group's advantages are 0")
-    else:
-      hits = f"none of the {rollouts:,} rollouts of steps 1-{done}, so every group's advantages are 0"
-    return (f"stopped after step {done} of {c.total_steps} (train.stop_if_unsolvable_steps={self.steps}): RL from "
-            f"{start} answered none of the {held_out} at step 0 and {hits}: there is nothing to learn from. Start "
-            f"from a model that solves some: {remedy}; or go on anyway with "
-            "--config.train.stop_if_unsolvable_steps=0")
-
-
-def _embedded_fallback(config) -> bool:
-  """Whether rows without a solution warm-start on the embedded task: `warm_start.embedded_fallback` on (absent from
-  a config built by hand: off) and `_embedded_model`."""
-  return bool(config.warm_start.get("embedded_fallback", False)) and _embedded_model(config)
-
-
-def _embedded_model(config) -> bool:
-  """The embedded preset with the embedded tokenizer (the model the embedded task's warm start is for: another
-  preset or tokenizer could not load or use it) on another task than the embedded one."""
-  return (config.model.preset == EMBEDDED_PRESET and not config.tokenizer.path
-          and config.data.source != EMBEDDED_TASK)
-
-
-def _embedded_warm_start_pairs(config, tokenizer, max_rows: int):
-  """The warm-start pairs of the default command (`data.source=synthetic:arithmetic` and this config's seed,
-  template, worked_fraction, ...): the same source, prompts and solutions, so the same cache key and weights."""
-  embedded = ml_collections.ConfigDict(config.to_dict())
-  embedded.data.source, embedded.data.eval_source, embedded.data.eval_size = EMBEDDED_TASK, "", 1  # eval: unused
-  train_set, _ = data_lib.sources_from_config(embedded)
-  book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
-                            max_prompt_len=config.data.max_prompt_len)
-  try:
-    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.prompt_ids, max_rows=max_rows,
-                                               completion_len=config.rollout.max_new_tokens)
-  except ValueError as e:  # a DataError too: this run's lengths are shorter than the embedded task's
-    raise data_lib.DataError(f"config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit "
-                             f"this run ({e}); restore the embedded default's lengths, or skip it with "
-                             "--config.warm_start.embedded_fallback=False") from e
-  assert not missing, "every embedded train question has a solution"
-  return pairs
 
 
 def rl_train_size(config: ml_collections.ConfigDict, train_set) -> int:

@@ -20,9 +20,13 @@ import optax
 from absl import logging
 from flax import nnx
 
+import ml_collections
+
+from jaxrlvr import data as data_lib
 from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
+from jaxrlvr import rollout
 from jaxrlvr import step as step_lib
 
 _VERSION = 2
@@ -146,3 +150,39 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
     logging.info("warm start: reusing %s", path)
   loaded, _ = models.load_pretrained(path, dtype=jnp.dtype(model_config.param_dtype), mesh=mesh)
   return loaded
+
+
+EMBEDDED_PRESET = "tiny"  # the embedded default's model (configs/base.py)
+EMBEDDED_TASK = "synthetic:arithmetic"  # its task, whose worked solutions the default command warm-starts on
+
+
+def embedded_fallback(config) -> bool:
+  """Whether rows without a solution warm-start on the embedded task: `warm_start.embedded_fallback` on (absent from
+  a config built by hand: off) and `embedded_model`."""
+  return bool(config.warm_start.get("embedded_fallback", False)) and embedded_model(config)
+
+
+def embedded_model(config) -> bool:
+  """The embedded preset with the embedded tokenizer (the model the embedded task's warm start is for: another
+  preset or tokenizer could not load or use it) on another task than the embedded one."""
+  return (config.model.preset == EMBEDDED_PRESET and not config.tokenizer.path
+          and config.data.source != EMBEDDED_TASK)
+
+
+def embedded_pairs(config, tokenizer, max_rows: int):
+  """The warm-start pairs of the default command (`data.source=synthetic:arithmetic` and this config's seed,
+  template, worked_fraction, ...): the same source, prompts and solutions, so the same cache key and weights."""
+  embedded = ml_collections.ConfigDict(config.to_dict())
+  embedded.data.source, embedded.data.eval_source, embedded.data.eval_size = EMBEDDED_TASK, "", 1  # eval: unused
+  train_set, _ = data_lib.sources_from_config(embedded)
+  book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
+                            max_prompt_len=config.data.max_prompt_len)
+  try:
+    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.prompt_ids, max_rows=max_rows,
+                                               completion_len=config.rollout.max_new_tokens)
+  except ValueError as e:  # a DataError too: this run's lengths are shorter than the embedded task's
+    raise data_lib.DataError(f"config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit "
+                             f"this run ({e}); restore the embedded default's lengths, or skip it with "
+                             "--config.warm_start.embedded_fallback=False") from e
+  assert not missing, "every embedded train question has a solution"
+  return pairs

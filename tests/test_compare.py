@@ -277,7 +277,7 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   with open(os.path.join(outdir, "runs", "exgrpo-no_shaping-s0", "config.json")) as f:
     config = json.load(f)
   assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["shaping_beta"]) == (8, 8, 0.0)
-  assert (config["train"]["num_minibatches"], config["data"]["worked_by_level"]) == (2, "add2=1,add3=0,addsub2=0")
+  assert (config["train"]["num_minibatches"], config["data"]["levels"]) == (2, "add1x2,add2,add3,addsub2,mul2x2")
   visits = run_data.visit_stats(runs["grpo"].questions)
   assert (visits.questions, visits.visits_mean, visits.visits_max) == (8, 2.0, 2)
   # The mechanism figures: every step's composed groups in questions.jsonl, the gradient share in metrics.jsonl.

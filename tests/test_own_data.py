@@ -18,11 +18,13 @@ import pytest
 from configs import exgrpo
 from jaxrlvr import config_lib
 from jaxrlvr import data
+from jaxrlvr import faults
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import models
 from jaxrlvr import parallel
 from jaxrlvr import rollout
 from jaxrlvr import train
+from jaxrlvr import warm_start
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Arithmetic the embedded tokenizer can encode; answers plain or boxed, as users write them.
@@ -65,7 +67,7 @@ def test_jsonl_trains_and_evaluates_on_its_own_held_out_rows(tmp_path, monkeypat
   workdir = str(tmp_path / "run")
   train.run(config, workdir)
 
-  assert warm_started == [train.EMBEDDED_TASK]  # the rows have no solution: the embedded task's warm start
+  assert warm_started == [warm_start.EMBEDDED_TASK]  # the rows have no solution: the embedded task's warm start
   train_rows, held_out = data.sources_from_config(config)
   assert (len(train_rows), len(held_out)) == (9, 1)
   assert {train_rows[q].question for q in range(9)} | {held_out[0].question} == {q for q, _ in QUESTIONS}
@@ -177,18 +179,18 @@ def _groups(*rewards):
 def test_the_unsolvable_watch_leaves_runs_that_solve_or_are_short_or_resumed_alone(monkeypatch):
   config = exgrpo.get_config("smoke")
   assert config.train.stop_if_unsolvable_steps == 8 > config.total_steps  # a smoke run is never watched
-  assert not train.UnsolvableWatch(config, start_step=0, num_eval=1).active
+  assert not faults.UnsolvableWatch(config, start_step=0, num_eval=1).active
   with config.unlocked():
     config.total_steps = 200
   for start_step, steps, active in ((0, 8, True), (3, 8, False), (0, 0, False), (0, 200, False)):
     config.train.stop_if_unsolvable_steps = steps
-    assert train.UnsolvableWatch(config, start_step=start_step, num_eval=1).active == active, (start_step, steps)
+    assert faults.UnsolvableWatch(config, start_step=start_step, num_eval=1).active == active, (start_step, steps)
   config.train.stop_if_unsolvable_steps = 3
   summed = []
   monkeypatch.setattr(train.multihost, "host_mean", lambda counts: summed.append(counts) or counts)
 
   def watch_run(eval_metrics, *steps):
-    watch = train.UnsolvableWatch(config, start_step=0, num_eval=6)
+    watch = faults.UnsolvableWatch(config, start_step=0, num_eval=6)
     watch.evaluated(eval_metrics)
     for done, rewards in enumerate(steps, 1):
       watch.sampled(done, _groups(*rewards))
@@ -197,14 +199,14 @@ def test_the_unsolvable_watch_leaves_runs_that_solve_or_are_short_or_resumed_alo
   watch_run({"eval/accuracy": 0.0, "eval/pass@4": 0.0}, nothing, [1.0, 1.0], nothing, [0.0])  # 2 of 102: 2%
   assert summed == [{"correct": 2.0, "rollouts": 102.0}]  # one collective, at step 3, on every host
   watch_run({"eval/accuracy": 0.0, "eval/pass@4": 0.25}, nothing, nothing, nothing)  # a sampled answer was right
-  with pytest.raises(train.UnsolvableStart, match=r"^stopped after step 3 of 200 \(train.stop_if_unsolvable_steps=3\): "
+  with pytest.raises(faults.UnsolvableStart, match=r"^stopped after step 3 of 200 \(train.stop_if_unsolvable_steps=3\): "
                                                   r".* and 1 of the 150 rollouts of steps 1-3 \(0.7%, under 1%\)"):
     watch_run({"eval/accuracy": 0.0}, nothing, nothing[1:] + [1.0], nothing)
-  with pytest.raises(train.UnsolvableStart, match="none of the 6 held-out rows at step 0 and none of the 150 rollouts"):
+  with pytest.raises(faults.UnsolvableStart, match="none of the 6 held-out rows at step 0 and none of the 150 rollouts"):
     watch_run({"eval/accuracy": 0.0}, nothing, nothing, nothing)
   config.train.stop_if_unsolvable_steps = -1
   with pytest.raises(config_lib.ConfigError, match=r"config.train.stop_if_unsolvable_steps=-1: must be >= 0"):
-    train.UnsolvableWatch(config, start_step=0, num_eval=6)
+    faults.UnsolvableWatch(config, start_step=0, num_eval=6)
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +365,7 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
   capsys.readouterr()
   build(default)
   fallback = calls.pop()
-  assert fallback[1]["task"] == train.EMBEDDED_TASK and fallback == reference
+  assert fallback[1]["task"] == warm_start.EMBEDDED_TASK and fallback == reference
   key = lambda pairs, kw: train.warm_start.cache_key(
       models.get_preset("tiny"), tokenizer, pairs, **{k: kw[k] for k in ("task", "steps", "lr", "batch_size", "seed")})
   assert key(*fallback) == key(*reference)
@@ -387,12 +389,12 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
   assert "warm start skipped: model.path is set" in caplog.text
   # Only the embedded preset and tokenizer fall back: another preset or tokenizer has nothing to learn it with.
   config = _smoke_config(f"jsonl:{without}")
-  assert train._embedded_fallback(config)  # pylint: disable=protected-access
+  assert warm_start.embedded_fallback(config)
   config.tokenizer.path = str(tmp_path)
-  assert not train._embedded_fallback(config)  # pylint: disable=protected-access
+  assert not warm_start.embedded_fallback(config)
   config = exgrpo.get_config("model=smollm2-135m")
   config.data.source = f"jsonl:{without}"
-  assert not train._embedded_fallback(config)  # pylint: disable=protected-access
+  assert not warm_start.embedded_fallback(config)
 
 
 def test_hf_disk_dataset_dict_holds_out_its_train_split_or_uses_its_test_split(tmp_path):
