@@ -7,8 +7,9 @@ A user's mistake (a ConfigError or DataError, an unknown config key, preset or c
 a --workdir that cannot be written) ends the job with one line on stderr, `jaxrlvr: error: ...`, and exit code 2;
 `--verbose` or JAXRLVR_VERBOSE=1 shows its traceback instead. So does a run that cannot go on for a reason outside
 the code (faults.RunError: a checkpoint the disk refuses, a diverged loss; a JudgeError: an HTTP judge that refuses
-the run's key or model, or is down with exprl.judge.on_failure='error'). Any other exception is a bug and keeps
-its traceback. SIGTERM and Ctrl-C save the step in flight and exit 0 and 130 (faults.py).
+the run's key or model, or is down with exprl.judge.on_failure='error'; replay.QuestionsExhausted: ExGRPO retired
+every question the run draws from). Any other exception is a bug and keeps its traceback. SIGTERM and Ctrl-C save
+the step in flight and exit 0 and 130 (faults.py).
 """
 import importlib.util
 import os
@@ -25,6 +26,7 @@ from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
 from jaxrlvr import faults
 from jaxrlvr import logs
+from jaxrlvr import replay
 from jaxrlvr import xla_cpu
 from jaxrlvr.rewards import judge as judge_lib
 
@@ -54,7 +56,8 @@ def main(argv):
     from jaxrlvr import train  # pylint: disable=g-import-not-at-top
     parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     train.run(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, data_lib.DataError, faults.RunError, judge_lib.JudgeError) as e:
+  except (config_lib.ConfigError, data_lib.DataError, faults.RunError, judge_lib.JudgeError,
+          replay.QuestionsExhausted) as e:
     if _verbose():
       raise
     _fail(str(e))

@@ -110,6 +110,16 @@ def test_retire_all_correct_from_step_zero_and_never_draw_again():
   assert s.metrics()["replay/retired"] == 2.0
 
 
+def test_a_data_source_whose_every_question_is_retired_is_a_clear_error():
+  # Four questions, all solved 4/4 at step 0: the iterator then serves only retired ones, so no fresh question is
+  # left; the error says why and what to change (main.py prints it as one line, exit code 2).
+  s = replay.make("exgrpo", make_test_config())
+  run_step(s, 0, [1, 2, 3, 4], {q: [1] * 4 for q in (1, 2, 3, 4)})
+  cycle = iter([1, 2, 3, 4] * 10)
+  with pytest.raises(replay.QuestionsExhausted, match="solved 4 of 4.*give harder or more questions"):
+    s.plan(1, lambda n: [next(cycle) for _ in range(n)])
+
+
 def test_n_replay_is_min_of_floor_rho_b_and_buffer_size():
   s = replay.make("exgrpo", make_test_config(batch_size=7, rho=0.5, start_solve_rate=0.0))
   run_step(s, 0, list(range(7)), {q: [1, 0, 0, 0] if q < 2 else [0] * 4 for q in range(7)})

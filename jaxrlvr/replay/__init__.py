@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from jaxrlvr.replay import advantage_priority, bapo, exgrpo, none
-from jaxrlvr.replay.base import (CORRECT_THRESHOLD, Group, Plan, Request, Rollout, ScoreRequest, Strategy,
-                                 group_advantages_np)
+from jaxrlvr.replay.base import (CORRECT_THRESHOLD, Group, Plan, QuestionsExhausted, Request, Rollout, ScoreRequest,
+                                 Strategy, group_advantages_np)
 from jaxrlvr.replay.exgrpo import bucket_weights
 
 STRATEGIES = {
@@ -76,5 +76,5 @@ def load_state(path: str) -> dict:
     return {k: f[k] for k in f.files}
 
 
-__all__ = ["CORRECT_THRESHOLD", "CONFIG_KEYS", "Group", "Plan", "Request", "Rollout", "STRATEGIES", "ScoreRequest",
+__all__ = ["CORRECT_THRESHOLD", "CONFIG_KEYS", "Group", "Plan", "QuestionsExhausted", "Request", "Rollout", "STRATEGIES", "ScoreRequest",
            "Strategy", "bucket_weights", "group_advantages_np", "load_state", "make", "save_state"]

@@ -45,6 +45,11 @@ import numpy as np
 # Rewards are 0/1 (verified correct or not); a rollout counts as correct at or above this value.
 CORRECT_THRESHOLD = 0.5
 
+
+class QuestionsExhausted(RuntimeError):
+  """The data has no question left to train on (ExGRPO retired every one: the policy solves them all). Not a bug:
+  `python -m jaxrlvr.main` prints it as one line and exits 2."""
+
 NextFresh = Callable[[int], Sequence[int]]
 
 

@@ -161,8 +161,10 @@ class ExGRPO(base.Strategy):
           self._totals["skipped_retired"] += 1
           run += 1
           if run > 2 * len(self._retired) + 1:
-            raise RuntimeError(f"replay/exgrpo: {run} consecutive fresh questions were retired; every question of "
-                               f"the data source seems solved ({len(self._retired)} retired)")
+            raise base.QuestionsExhausted(
+                f"replay/exgrpo: {run} consecutive fresh questions were retired (solved {self.K} of {self.K}), so "
+                f"the policy seems to solve every question RL draws from ({len(self._retired)} retired): nothing is "
+                "left to learn from; give harder or more questions (data.source, data.rl_train_size)")
         else:
           out.append(q)
           run = 0
