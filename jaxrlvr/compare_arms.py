@@ -19,10 +19,10 @@ beside the greedy accuracy at every evaluation, and default to 5 seeds; they dif
   training set, so both regimes start from the same weights. Its default arms add the ablations the papers lean on.
 - `paper_shaped`: the regime where the ExGRPO paper says replay pays (Qwen2.5-Math-7B on OpenR1): a task and a warm
   start (`data.levels`, `data.worked_by_level`, below) after which most training questions are solved 0 or K times
-  of K at their first visit and the rest in between, so on-policy groups often carry no signal; about two epochs of the RL train set
-  (`data.rl_train_size` = steps x B / 2); 2 optimizer steps per rollout batch (`train.num_minibatches=2`), so fresh
-  ratios leave 1 and the mixed phase's clip removal and f(w) act; and `train.replayed_grad_share` on, for the
-  mechanism figures of results.md. Its warm start differs from the other regimes' (one per seed, cached).
+  of K at their first visit and the rest in between, so on-policy groups often carry no signal; about two epochs of
+  the RL train set (`data.rl_train_size` = steps x B / 2); 2 optimizer steps per rollout batch
+  (`train.num_minibatches=2`), so fresh ratios leave 1 and the mixed phase's clip removal and f(w) act; and
+  `train.replayed_grad_share` on, for the mechanism figures of results.md. Its warm start differs from the other regimes' (one per seed, cached).
 """
 import dataclasses
 import importlib

@@ -225,7 +225,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                     enabled=is_main,
                                     summary_title=f"{config.method}: {os.path.basename(os.path.abspath(workdir))}")
   rng = jax.random.key(config.seed)
-  stop = faults.StopSignals()  # SIGTERM, Ctrl-C: the step in flight finishes, is saved, and the run exits (faults.py)
+  signals = faults.StopSignals()  # SIGTERM, Ctrl-C: the step in flight finishes, is saved, the run exits (faults.py)
 
   def policy(params):
     return nnx.merge(graphdef, params)
@@ -377,10 +377,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     saved = done % config.checkpoint_every == 0 or done == config.total_steps
     if saved:
       save(done)
-    if done < config.total_steps and stop.agreed():  # the same point of every step on every host
-      stop.stop(done, save=None if saved else lambda: save(done),
+    if done < config.total_steps and signals.agreed():  # the same point of every step on every host
+      signals.stop(done, save=None if saved else lambda: save(done),
                 close=(writer.close, reward_pool.close, checkpointer.close))
-  stop.restore()
+  signals.restore()
 
   gc.unfreeze()
   # After the final checkpoint: a run killed here restarts as finished and writes the export then.

@@ -199,10 +199,12 @@ def test_the_unsolvable_watch_leaves_runs_that_solve_or_are_short_or_resumed_alo
   watch_run({"eval/accuracy": 0.0, "eval/pass@4": 0.0}, nothing, [1.0, 1.0], nothing, [0.0])  # 2 of 102: 2%
   assert summed == [{"correct": 2.0, "rollouts": 102.0}]  # one collective, at step 3, on every host
   watch_run({"eval/accuracy": 0.0, "eval/pass@4": 0.25}, nothing, nothing, nothing)  # a sampled answer was right
-  with pytest.raises(faults.UnsolvableStart, match=r"^stopped after step 3 of 200 \(train.stop_if_unsolvable_steps=3\): "
-                                                  r".* and 1 of the 150 rollouts of steps 1-3 \(0.7%, under 1%\)"):
+  with pytest.raises(faults.UnsolvableStart,
+                     match=r"^stopped after step 3 of 200 \(train.stop_if_unsolvable_steps=3\): "
+                           r".* and 1 of the 150 rollouts of steps 1-3 \(0.7%, under 1%\)"):
     watch_run({"eval/accuracy": 0.0}, nothing, nothing[1:] + [1.0], nothing)
-  with pytest.raises(faults.UnsolvableStart, match="none of the 6 held-out rows at step 0 and none of the 150 rollouts"):
+  with pytest.raises(faults.UnsolvableStart,
+                     match="none of the 6 held-out rows at step 0 and none of the 150 rollouts"):
     watch_run({"eval/accuracy": 0.0}, nothing, nothing, nothing)
   config.train.stop_if_unsolvable_steps = -1
   with pytest.raises(config_lib.ConfigError, match=r"config.train.stop_if_unsolvable_steps=-1: must be >= 0"):

@@ -127,10 +127,10 @@ def sources_from_config(config) -> tuple[Source, Source]:
 
   Reads data.{source, eval_source, question_field, answer_field, solution_field, eval_size} and, when present,
   data.eval_fraction (absent: 0, no held-out part), data.data_dir (tfds), data.train_size (synthetic; 0 or absent:
-  20,000), data.worked_fraction and data.worked_by_level (the synthetic train split only; other sources ignore them), data.levels
-  (the synthetic task's mix, both splits) and data.phrasing (the
-  synthetic task's question text, both splits; other sources ignore it). The synthetic test
-  split's solutions always show their work (they are references, never trained on).
+  20,000), data.worked_fraction and data.worked_by_level (the synthetic train split only; other sources ignore
+  them), data.levels (the synthetic task's mix, both splits) and data.phrasing (the synthetic task's question text,
+  both splits; other sources ignore it). The synthetic test split's solutions always show their work (they are
+  references, never trained on).
   """
   data = config.data
   if not data.source:

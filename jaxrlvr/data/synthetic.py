@@ -20,14 +20,16 @@ the stop token.
 
 `worked_fraction` (config `data.worked_fraction`; the embedded default uses 0.4, the class default is 1) keeps the
 worked solution for that share of the train questions and gives the rest the bare answer (`\\boxed{85}`), a fixed
-draw per (seed, qid) that does not depend on the question. `worked_by_level` (config `data.worked_by_level`, e.g.
-"add2=1,addsub2=0") sets the share per level instead: the comparison's paper-shaped regime warm-starts a model that
-always solves some levels and almost never others (jaxrlvr/compare_arms.py). The warm start then imitates a teacher that often skips
+draw per (seed, qid) that does not depend on the question. The warm start then imitates a teacher that often skips
 its work: the greedy model answers nearly everything bare, which the model does about as well as the worked form
 on 2-digit sums but much worse on 3-digit sums and products (a 1,200-step warm start, 200 held-out questions x 8
 samples at temperature 1: add3 8% bare against 49% worked, mul1x2 21% against 33%). RL on the verifier's reward
 learns to show the work where it pays: the greedy answers double in length and held-out accuracy rises by 17-25
-points within 50-200 steps (seed 0; README, "Results").
+points within 50-200 steps (seed 0; README, "Results"). `worked_by_level` (config `data.worked_by_level`, e.g.
+"add2=1,addsub2=0") sets the share per level instead, and `levels` (config `data.levels`) the mix: the levels qids
+cycle through, the four above by default, or any of them and two more, `add1x2` ("8+47") and `mul2x2` ("47*38",
+worked as the partial products 376,141, then the answer). The comparison's paper-shaped regime uses both for a
+model that always solves some levels and almost never others (jaxrlvr/compare_arms.py).
 
 `phrasing` (config `data.phrasing`) is how a question reads: "compact" ("47+38", the embedded tokenizer's
 characters, for the tiny model) or "sentence" for a pretrained chat model, which answers in words and boxes its
