@@ -22,7 +22,8 @@ beside the greedy accuracy at every evaluation, and default to 5 seeds; they dif
   of K at their first visit and the rest in between, so on-policy groups often carry no signal; about two epochs of
   the RL train set (`data.rl_train_size` = steps x B / 2); 2 optimizer steps per rollout batch
   (`train.num_minibatches=2`), so fresh ratios leave 1 and the mixed phase's clip removal and f(w) act; and
-  `train.replayed_grad_share` on, for the mechanism figures of results.md. Its warm start differs from the other regimes' (one per seed, cached).
+  `train.replayed_grad_share` on, for the mechanism figures of results.md. Its warm start differs from the other
+  regimes' (one per seed, cached).
 """
 import dataclasses
 import importlib

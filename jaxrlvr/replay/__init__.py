@@ -76,5 +76,6 @@ def load_state(path: str) -> dict:
     return {k: f[k] for k in f.files}
 
 
-__all__ = ["CORRECT_THRESHOLD", "CONFIG_KEYS", "Group", "Plan", "QuestionsExhausted", "Request", "Rollout", "STRATEGIES",
-           "ScoreRequest", "Strategy", "bucket_weights", "group_advantages_np", "load_state", "make", "save_state"]
+__all__ = ["CORRECT_THRESHOLD", "CONFIG_KEYS", "Group", "Plan", "QuestionsExhausted", "Request", "Rollout",
+           "STRATEGIES", "ScoreRequest", "Strategy", "bucket_weights", "group_advantages_np", "load_state",
+           "make", "save_state"]
