@@ -36,6 +36,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics.json
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "Multi-process: host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Multi-process: how many processes in all.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "Multi-process: this process's index.")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 100, "Multi-process: seconds without a heartbeat after which "
+                                  "a process counts as dead and the others stop (one error line, exit code 2).")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (as JAXRLVR_VERBOSE=1 does).")
 _LOG_SHARDING = flags.DEFINE_bool("log_sharding", False, "Log every parameter's shape and sharding (as "
                                    "JAXRLVR_LOG_SHARDING=1 does).")
@@ -54,13 +56,32 @@ def main(argv):
   try:
     from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top  (flags parse before jax initialises)
     from jaxrlvr import train  # pylint: disable=g-import-not-at-top
-    parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                    heartbeat_timeout_s=_HEARTBEAT.value)
     train.run(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, data_lib.DataError, faults.RunError, judge_lib.JudgeError,
           replay.QuestionsExhausted) as e:
     if _verbose():
       raise
     _fail(str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    exit_if_peer_lost(e)
+    raise
+
+
+def exit_if_peer_lost(error: Exception) -> None:
+  """With several processes, a failed collective (in a multihost helper, or inside a jitted step: a JaxRuntimeError)
+  means another process has stopped: says so in one line and leaves at once, exit code 2. The normal exit's shutdown
+  barrier would wait for the dead process, then abort with a stack dump. Returns for any other error."""
+  from jaxrlvr import multihost  # pylint: disable=g-import-not-at-top  (jax only once the flags are parsed)
+  import jax  # pylint: disable=g-import-not-at-top
+  if isinstance(error, multihost.PeerLost) or (isinstance(error, jax.errors.JaxRuntimeError)
+                                               and jax.process_count() > 1):
+    message = str(error if isinstance(error, multihost.PeerLost) else multihost.peer_lost(error))
+    sys.stdout.flush()
+    sys.stderr.write(f"jaxrlvr: error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+    os._exit(USER_ERROR_EXIT_CODE)  # pylint: disable=protected-access
 
 
 def _verbose(argv: list[str] | None = None) -> bool:

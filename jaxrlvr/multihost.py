@@ -18,6 +18,12 @@ others never enter. The rules the trainer uses (train.py):
 
 On one process every helper returns its input unchanged and runs no collective, so single-host runs are exactly
 what they were.
+
+A host that dies (killed, out of memory, a lost machine) takes its end of every collective with it: the next
+collective of the others fails (gloo on CPU: at once, the connection is reset) or waits until JAX's coordination
+service misses its heartbeats (`--heartbeat_timeout_s` of main.py, JAX's 100 s by default) and ends them. A failed
+collective here raises `PeerLost`, which main.py reports in one line before it exits at once (exit code 2), not
+through the shutdown barrier, which would wait for the dead host and then abort with a stack dump.
 """
 from collections.abc import Iterable, Mapping
 import zlib
@@ -36,9 +42,24 @@ def is_main() -> bool:
   return jax.process_index() == 0
 
 
+class PeerLost(RuntimeError):
+  """A collective of a multi-process run failed: another process has most likely stopped (its log says why)."""
+
+
+def peer_lost(error: BaseException) -> PeerLost:
+  """The PeerLost that says which process saw `error` (a failed collective) and what to do."""
+  first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+  return PeerLost(f"process {jax.process_index()} of {jax.process_count()}: a collective with the other processes "
+                  f"failed ({first}); another process of this run has most likely stopped, and its log says why. "
+                  "Start the job again with the same command: it resumes from the last checkpoint")
+
+
 def _allgather(x: np.ndarray) -> np.ndarray:
   """[P, ...]: every host's `x` (same shape and dtype on every host), in process order."""
-  return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
+  try:
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
+  except (RuntimeError, ValueError) as e:  # gloo reports a reset peer as a ValueError, XLA as a JaxRuntimeError
+    raise peer_lost(e) from e
 
 
 def _allgather_exact(values: np.ndarray) -> np.ndarray:

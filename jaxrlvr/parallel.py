@@ -172,12 +172,15 @@ def describe_sharding(model: Any, mesh: Mesh | None = None, rules: Any = None) -
   return "\n".join(lines)
 
 
-def initialize_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
+def initialize_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1, *,
+                           heartbeat_timeout_s: int = 100) -> None:
   """Joins this process to a multi-process JAX job; a no-op for a single process.
 
   Sources, first match wins: explicit arguments (main's --coordinator_address/--num_processes/--process_id), the
   JAXRLVR_COORDINATOR / JAXRLVR_NUM_PROCESSES / JAXRLVR_PROCESS_ID variables that `launch/local.sh` and
   `launch/slurm.sbatch` set, then JAX's own cluster detection (TPU pods, SLURM with more than one task).
+  heartbeat_timeout_s: how long JAX's coordination service waits for a silent process before it ends the others
+  (a collective with a dead process may otherwise wait for ever on GPU and TPU; multihost.PeerLost).
   """
   import os  # pylint: disable=g-import-not-at-top
   env = os.environ
@@ -206,6 +209,7 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
       return
     if env.get("JAX_PLATFORMS", "") == "cpu":
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
   elif int(env.get("SLURM_NTASKS", "1")) > 1 or env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
-    jax.distributed.initialize()
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)

@@ -15,6 +15,7 @@ import random
 import re
 import resource
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -308,3 +309,97 @@ def test_a_judge_that_is_down_costs_one_round_of_retries_then_skips_or_stops():
     server.close()
   with pytest.raises(ValueError, match="on_failure='retry'"):
     judge_lib.HttpJudge(server.url, "judge", on_failure="retry")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One process of a multi-process run dies
+
+
+_PEER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from jaxrlvr import main, multihost, parallel
+    parallel.initialize_distributed(sys.argv[2], 2, int(sys.argv[1]), heartbeat_timeout_s=10)
+    try:
+      for step in range(10_000):  # the loop's per-step agreement (faults.StopSignals.agreed) and little else
+        multihost.agree_any(False)
+        print("STEP", step, flush=True)
+        time.sleep(0.1)
+    except Exception as e:
+      main.exit_if_peer_lost(e)
+      raise
+""")
+
+
+def test_a_dead_process_stops_the_others_with_one_line_not_a_hang(tmp_path):
+  # Two real processes (JAX's distributed runtime, gloo collectives on CPU) agree every step, as the loop does; one
+  # is killed with SIGKILL. The other must stop within seconds, exit 2, with one line that says what happened, and
+  # without the shutdown barrier's abort (a "Check failure" stack dump after the heartbeat timeout).
+  script = tmp_path / "peer.py"
+  script.write_text(_PEER_SCRIPT)
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    address = f"localhost:{s.getsockname()[1]}"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+             PYTHONPATH=_REPO)
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    for line in procs[0].stdout:  # both are in the loop once process 0 has agreed a few times
+      if line.startswith("STEP 5"):
+        break
+    procs[1].kill()
+    killed = time.monotonic()
+    _, stderr = procs[0].communicate(timeout=60)
+  finally:
+    for p in procs:
+      p.kill()
+  assert time.monotonic() - killed < 30, "the survivor waited for the dead process"
+  assert procs[0].returncode == 2, stderr[-3000:]
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith("jaxrlvr: error: process 0 of 2: a collective with the other processes failed"), last
+  assert "has most likely stopped" in last and "resumes from the last checkpoint" in last
+  assert "Check failure" not in stderr
+
+
+_AGREE_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from jaxrlvr import faults, multihost, parallel
+    parallel.initialize_distributed(sys.argv[2], 2, int(sys.argv[1]), heartbeat_timeout_s=10)
+    signals = faults.StopSignals()
+    for step in range(10_000):
+      time.sleep(0.05 if sys.argv[1] == "0" else 0.2)  # the hosts run at different speeds
+      print("STEP", step, flush=True)
+      if signals.agreed():  # the loop's one agreement point a step
+        print("STOP AT", step, flush=True)
+        break
+    multihost.agree_any(False)  # both still in step: a host that had left would leave this one waiting
+""")
+
+
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+  # SIGTERM reaches process 1 only (a scheduler that signals one task): both processes leave the loop after the same
+  # step, so they save the same checkpoint and neither waits in a collective the other has left.
+  script = tmp_path / "agree.py"
+  script.write_text(_AGREE_SCRIPT)
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    address = f"localhost:{s.getsockname()[1]}"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+             PYTHONPATH=_REPO)
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    for line in procs[1].stdout:
+      if line.startswith(f"STEP {random.randint(3, 8)}"):
+        break
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=60) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  stops = []
+  for p, (stdout, stderr) in zip(procs, outs):
+    assert p.returncode == 0, stderr[-3000:]
+    stops.append([line for line in stdout.splitlines() if line.startswith("STOP AT")])
+  assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+  assert "SIGTERM received" in outs[1][1] and "SIGTERM received" not in outs[0][1]
