@@ -31,7 +31,8 @@ def test_presets_set_the_regime_pass_at_8_and_the_seeds():
   assert fresh.seeds == limited.seeds == 5
   assert fresh.arms == ("grpo", "exgrpo", "advantage_priority", "bapo", "sft")
   assert set(compare_arms.ABLATIONS) <= set(limited.arms) and "sft" in limited.arms
-  with pytest.raises(compare_arms.CompareError, match="no such preset; known: \\['data_limited', 'fresh'\\]"):
+  with pytest.raises(compare_arms.CompareError,
+                     match="no such preset; known: \\['data_limited', 'fresh', 'paper_shaped'\\]"):
     compare_arms.preset("tiny")
 
 
