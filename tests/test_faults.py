@@ -330,19 +330,23 @@ _PEER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_dead_process_stops_the_others_with_one_line_not_a_hang(tmp_path):
-  # Two real processes (JAX's distributed runtime, gloo collectives on CPU) agree every step, as the loop does; one
-  # is killed with SIGKILL. The other must stop within seconds, exit 2, with one line that says what happened, and
-  # without the shutdown barrier's abort (a "Check failure" stack dump after the heartbeat timeout).
-  script = tmp_path / "peer.py"
-  script.write_text(_PEER_SCRIPT)
+def _two_processes(path, script: str) -> list[subprocess.Popen]:
+  """`script` (argv: process id, coordinator address) started as processes 0 and 1 of one JAX distributed job."""
+  path.write_text(script)
   with socket.socket() as s:
     s.bind(("localhost", 0))
     address = f"localhost:{s.getsockname()[1]}"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
              PYTHONPATH=_REPO)
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  return [subprocess.Popen([sys.executable, str(path), str(i), address], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def test_a_dead_process_stops_the_others_with_one_line_not_a_hang(tmp_path):
+  # Two real processes (JAX's distributed runtime, gloo collectives on CPU) agree every step, as the loop does; one
+  # is killed with SIGKILL. The other must stop within seconds, exit 2, with one line that says what happened, and
+  # without the shutdown barrier's abort (a "Check failure" stack dump after the heartbeat timeout).
+  procs = _two_processes(tmp_path / "peer.py", _PEER_SCRIPT)
   try:
     for line in procs[0].stdout:  # both are in the loop once process 0 has agreed a few times
       if line.startswith("STEP 5"):
@@ -379,15 +383,7 @@ _AGREE_SCRIPT = textwrap.dedent("""
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path):
   # SIGTERM reaches process 1 only (a scheduler that signals one task): both processes leave the loop after the same
   # step, so they save the same checkpoint and neither waits in a collective the other has left.
-  script = tmp_path / "agree.py"
-  script.write_text(_AGREE_SCRIPT)
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    address = f"localhost:{s.getsockname()[1]}"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-             PYTHONPATH=_REPO)
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), address], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = _two_processes(tmp_path / "agree.py", _AGREE_SCRIPT)
   try:
     for line in procs[1].stdout:
       if line.startswith(f"STEP {random.randint(3, 8)}"):
