@@ -130,8 +130,10 @@ def run_env(threads: int) -> dict:
   return env
 
 
-def _config_flags(spec: RunSpec, *, smoke: bool, cache_dir: str, overrides: Sequence[str], configs_dir: str):
-  cmd = [f"--config={os.path.join(configs_dir, spec.config_name + '.py')}{':smoke' if smoke else ''}",
+def _config_flags(spec: RunSpec, *, smoke: bool, cache_dir: str, overrides: Sequence[str], configs_dir: str,
+                  model: str = ""):
+  arg = compare_arms.config_arg(smoke=smoke, model=model)
+  cmd = [f"--config={os.path.join(configs_dir, spec.config_name + '.py')}{':' + arg if arg else ''}",
          f"--workdir={spec.workdir}", f"--config.seed={spec.seed}", "--config.reward.num_workers=1"]
   if cache_dir:
     cmd.append(f"--config.warm_start.cache_dir={cache_dir}")
@@ -139,15 +141,19 @@ def _config_flags(spec: RunSpec, *, smoke: bool, cache_dir: str, overrides: Sequ
 
 
 def train_command(spec: RunSpec, *, steps: int, eval_every: int, smoke: bool, cache_dir: str,
-                  overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR) -> list[str]:
-  flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir)
+                  overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR,
+                  model: str = "") -> list[str]:
+  flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir,
+                        model=model)
   return [sys.executable, "-m", "jaxrlvr.main", *flags[:3], f"--config.total_steps={steps}", "--config.log_every=1",
           f"--config.eval_every={eval_every}", *flags[3:]]
 
 
 def sft_command(spec: RunSpec, *, wall_s: float, evals: int, smoke: bool, cache_dir: str,
-                overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR) -> list[str]:
-  flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir)
+                overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR,
+                model: str = "") -> list[str]:
+  flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir,
+                        model=model)
   return [sys.executable, "-m", "jaxrlvr.sft_control", *flags, f"--wall_s={wall_s:.6f}", f"--evals={evals}",
           *spec.flags]
 
@@ -243,19 +249,19 @@ def _logged_subprocess(spec: RunSpec, cmd: list[str], what: str, *, env: dict, c
 
 
 def subprocess_launcher(*, eval_every: int, smoke: bool, cache_dir: str, threads: int, overrides: Sequence[str],
-                        configs_dir: str, evals: int = 8):
+                        configs_dir: str, evals: int = 8, model: str = ""):
   """(launch(spec, steps), launch_sft(spec, wall_s)) for run_all: the main job and the supervised control as
   subprocesses, their output appended to the spec's log."""
   env, cwd = run_env(threads), os.path.dirname(os.path.abspath(configs_dir))
 
   def launch(spec: RunSpec, steps: int) -> int:
     cmd = train_command(spec, steps=steps, eval_every=eval_every, smoke=smoke, cache_dir=cache_dir,
-                        overrides=overrides, configs_dir=configs_dir)
+                        overrides=overrides, configs_dir=configs_dir, model=model)
     return _logged_subprocess(spec, cmd, f"training to step {steps}", env=env, cwd=cwd)
 
   def launch_sft(spec: RunSpec, wall_s: float) -> int:
     cmd = sft_command(spec, wall_s=wall_s, evals=evals, smoke=smoke, cache_dir=cache_dir, overrides=overrides,
-                      configs_dir=configs_dir)
+                      configs_dir=configs_dir, model=model)
     return _logged_subprocess(spec, cmd, f"supervised control for {wall_s:.0f} s of training", env=env, cwd=cwd)
 
   return launch, launch_sft
@@ -322,7 +328,8 @@ def _main(argv) -> int:
   names = _arm_names(f, chosen)
   arms = compare_arms.resolve_arms(names, f.configs_dir)
   methods = dict.fromkeys(a.method for a in arms)
-  configs = {m: method_config(m, smoke=f.smoke, configs_dir=f.configs_dir) for m in methods}
+  model = f.model or (chosen.model if chosen else "")
+  configs = {m: method_config(m, smoke=f.smoke, configs_dir=f.configs_dir, model=model) for m in methods}
   steps = f.steps or max(c.total_steps for c in configs.values())
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
   batch_size = max(c.rollout.batch_size for c in configs.values())
@@ -331,7 +338,7 @@ def _main(argv) -> int:
   by_arm = {a.name: a for a in arms}
   for spec in specs:  # every arm's config checked now: a bad key or value stops here, before any run starts
     config = compare_arms.arm_config(by_arm[spec.arm], seed=spec.seed, overrides=overrides, smoke=f.smoke,
-                                     configs_dir=f.configs_dir)
+                                     configs_dir=f.configs_dir, model=model)
     if not f.summarize_only:
       check_workdir(spec, config)
   baseline = f.baseline or (compare_arms.BASELINE if compare_arms.BASELINE in names else names[0])
@@ -342,7 +349,7 @@ def _main(argv) -> int:
     threads = f.threads_per_run or max(1, (os.cpu_count() or 1) // max(1, f.parallel))
     launch, launch_sft = subprocess_launcher(eval_every=eval_every, smoke=f.smoke, cache_dir=f.warm_start_cache,
                                              threads=threads, overrides=overrides, configs_dir=f.configs_dir,
-                                             evals=max(1, steps // eval_every))
+                                             evals=max(1, steps // eval_every), model=model)
     errors = {k: v for k, v in run_all(specs, parallel=f.parallel, launch=launch, steps=steps,
                                        budget_tokens=f.budget_tokens, launch_sft=launch_sft).items() if v}
     for name, error in errors.items():
@@ -373,6 +380,8 @@ def _define_flags() -> None:
   flags.DEFINE_list("arms", None, "Arms to compare: method configs and their named variants (compare_arms.ARMS), "
                     "e.g. grpo,exgrpo,exgrpo-no_shaping,sft. Default: the preset's, else the four methods.")
   flags.DEFINE_list("methods", None, "Methods to compare: names of files in --configs_dir (arms without overrides).")
+  flags.DEFINE_string("model", "", "Model preset of every run (the config arg `model=`, e.g. smollm2-135m; "
+                      "default: the preset's, else the configs' own).")
   flags.DEFINE_integer("seeds", 3, "Seeds per arm: 0 .. N-1 (default: the preset's, else 3).")
   flags.DEFINE_string("outdir", None, "Runs, logs, results.md, results.csv and the plots go here.")
   flags.DEFINE_bool("smoke", False, "Use the configs' `:smoke` settings (seconds per run; for tests).")

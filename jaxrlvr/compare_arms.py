@@ -84,6 +84,15 @@ ABLATIONS = tuple(name for name, arm in ARMS.items() if arm.kind == "rl")
 # all right or all wrong, where GRPO's groups on the embedded task's own mix are ~40%.
 PAPER_SHAPED_LEVELS = "add1x2,add2,add3,addsub2,mul2x2"
 PAPER_SHAPED_WORKED = "add1x2=1,add2=1,add3=0,addsub2=0,mul2x2=0"
+# The real model's task. SmolLM2-135M-Instruct's solve rates on 32 training questions a level x 4 samples, measured
+# at temperature 1.0 (the paper's rollout temperature) and 0.6: add1x2 1.6% / 3.1%, add2 3.1% / 8.6%, add3 0.0% /
+# 2.3%, addsub2 2.3% / 0.8%, mul1x2 2.3% / 12.5%, mul2x2 3.1% / 4.7%. At 1.0, 91-100% of every level's groups are
+# 0 of 4 and replay would have next to nothing to store; at 0.6 the two best levels leave 25% (add2) and 31%
+# (mul1x2) of the groups with signal, and nothing is solved 4 of 4. So the preset samples at 0.6 on those two levels.
+# The replay start: the batch solve rate starts near 0.1, where the paper's 0.35 is not reached within the run (the
+# embedded preset's GRPO run never passed 0.19 in 40 steps); the paper starts its weak Llama-3.1-8B model's replay
+# at once, and so does this preset (the exgrpo-no_delay arm).
+SMOLLM2_LEVELS = "add2,mul1x2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +103,7 @@ class Preset:
   seeds: int = 5
   overrides: tuple[str, ...] = ("eval.k=8", "eval.temperature=1.0")
   visits_per_question: float = 0.0  # > 0: data.rl_train_size = steps x batch_size / this (see the module doc)
+  model: str = ""  # the model preset of every run (the config arg `model=`); empty: the configs' default (tiny)
 
   def run_overrides(self, *, steps: int, batch_size: int) -> list[str]:
     """The overrides of every run of this preset for a comparison of `steps` steps of `batch_size` questions."""
@@ -122,6 +132,13 @@ PRESETS = {p.name: p for p in (
            overrides=("eval.k=8", "eval.temperature=1.0", f"data.levels={PAPER_SHAPED_LEVELS}",
                       f"data.worked_by_level={PAPER_SHAPED_WORKED}",
                       "train.num_minibatches=2", "train.replayed_grad_share=True"),
+           visits_per_question=2.0),
+    Preset("smollm2", "the real pretrained model: RL from SmolLM2-135M-Instruct as it is (the smollm2-135m model "
+           "preset) on the two levels it sometimes solves, rollouts and pass@4 at temperature 0.6, ExGRPO without "
+           "the delayed start (the paper's setting for its weak Llama model), about two epochs, 2 optimizer steps "
+           "per batch", arms=("grpo", "exgrpo-no_delay"), seeds=3, model="smollm2-135m",
+           overrides=("eval.k=4", "eval.temperature=0.6", "rollout.temperature=0.6",
+                      f"data.levels={SMOLLM2_LEVELS}", "data.eval_size=100", "train.num_minibatches=2"),
            visits_per_question=2.0),
 )}
 
@@ -157,7 +174,12 @@ def resolve_arms(names: Sequence[str], configs_dir: str = CONFIGS_DIR) -> list[A
   return arms
 
 
-def method_config(method: str, *, smoke: bool = False, configs_dir: str = CONFIGS_DIR):
+def config_arg(*, smoke: bool = False, model: str = "") -> str:
+  """The config arg of a run (`--config=configs/<method>.py:<arg>`): the model preset and the smoke settings."""
+  return ",".join(filter(None, (f"model={model}" if model else "", "smoke" if smoke else "")))
+
+
+def method_config(method: str, *, smoke: bool = False, configs_dir: str = CONFIGS_DIR, model: str = ""):
   """The method's config (to read total_steps and eval_every), imported the way the main job's flag does."""
   path = os.path.join(configs_dir, f"{method}.py")
   if not os.path.exists(path):
@@ -166,7 +188,7 @@ def method_config(method: str, *, smoke: bool = False, configs_dir: str = CONFIG
   if root not in sys.path:
     sys.path.insert(0, root)
   return importlib.import_module(f"{os.path.basename(os.path.normpath(configs_dir))}.{method}").get_config(
-      "smoke" if smoke else None)
+      config_arg(smoke=smoke, model=model) or None)
 
 
 def apply_override(config, override: str) -> None:
@@ -199,11 +221,11 @@ def apply_override(config, override: str) -> None:
 
 
 def arm_config(arm: Arm, *, seed: int, overrides: Sequence[str] = (), smoke: bool = False,
-               configs_dir: str = CONFIGS_DIR):
+               configs_dir: str = CONFIGS_DIR, model: str = ""):
   """The config an arm's run of `seed` trains with: the method's, then `overrides` (the preset's and the command
   line's), then the arm's own; checked as the main job checks it, so a bad value stops the comparison up front."""
   from jaxrlvr import config_lib  # pylint: disable=g-import-not-at-top  (keeps this module import-light)
-  config = method_config(arm.method, smoke=smoke, configs_dir=configs_dir)
+  config = method_config(arm.method, smoke=smoke, configs_dir=configs_dir, model=model)
   for override in (f"seed={seed}", *overrides, *arm.overrides):
     try:
       apply_override(config, override)
