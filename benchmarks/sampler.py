@@ -1,4 +1,4 @@
-"""Rollout speed: `jaxrlvr.sampling.generate` against transformers' PyTorch `generate`, and against itself uncached.
+"""Rollout speed: `jaxrlvr.rollout.generate` against transformers' PyTorch `generate`, and against itself uncached.
 
   python benchmarks/sampler.py                      # CPU: the tiny (~1M) and a ~12M model, side by side
   python benchmarks/sampler.py --repeats=5 --skip_uncached
@@ -29,7 +29,7 @@ tokens/s and the fraction of the device's memory bandwidth that the decode loop 
 and the whole preallocated KV cache), then the rollout engine on long-tailed answers of the same preset (1,024-token
 prompts, up to 4,096 new tokens; `sampler_long_tail.gpu_engine_section`). It is skipped, with a message, on CPU.
 
-The `engine` column is the rollout engine (`jaxrlvr.engine_scheduler.generate`, a decode slot per row) on the same
+The `engine` column is the rollout engine (`jaxrlvr.rollout.scheduler.generate`, a decode slot per row) on the same
 devices as `jaxrlvr`, timed in the same round-robin.
 
 `--workload=long_tail` runs the long-tailed workload instead (`sampler_long_tail.py`'s docstring): answers of ~256
@@ -53,8 +53,9 @@ import numpy as np
 from flax import nnx
 
 import sampler_long_tail
-from jaxrlvr import engine_scheduler, parallel, sampling
+from jaxrlvr import parallel, rollout
 from jaxrlvr.models import ModelConfig, Transformer, get_preset, load_pretrained, save_pretrained
+from jaxrlvr.rollout import scheduler
 
 # ~12M parameters: 10 blocks of 0.98M + a tied 8192 x 256 embedding (2.1M).
 MODEL_12M = ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=1024, num_layers=10,
@@ -167,15 +168,15 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
   try:
     # Same weights: greedy continuations of a few prompts agree token for token.
     hf_greedy = conn.recv()
-    our_greedy = sampling.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0,
-                                   mesh=mesh).tokens
+    our_greedy = rollout.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0,
+                                  mesh=mesh).tokens
     agree = bool(np.array_equal(hf_greedy, our_greedy))
 
     seed = iter(range(10**6))
 
     def run(use_cache: bool = True, model: nnx.Module = ours, on_mesh: bool = True) -> None:
-      sampling.generate(model, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
-                        eos_ids=(), use_cache=use_cache, mesh=mesh if on_mesh else None)
+      rollout.generate(model, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
+                       eos_ids=(), use_cache=use_cache, mesh=mesh if on_mesh else None)
 
     def ours_call(**kwargs) -> float:
       start = time.perf_counter()
@@ -184,7 +185,7 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
 
     def engine_call() -> float:
       start = time.perf_counter()
-      engine_scheduler.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
+      scheduler.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(next(seed)), temperature=1.0,
                                 eos_ids=(), mesh=mesh)
       return time.perf_counter() - start
 
@@ -274,10 +275,10 @@ def gpu_section(args: argparse.Namespace) -> None:
   for batch in args.gpu_batches:
     prompts = _prompts(batch, args.gpu_prompt_len, config.vocab_size)
     seed = iter(range(10**6))
-    run = lambda: sampling.generate(model, prompts, max_new_tokens=args.gpu_new_tokens,
-                                    rng=jax.random.key(next(seed)), temperature=1.0, eos_ids=(), mesh=mesh)
+    run = lambda: rollout.generate(model, prompts, max_new_tokens=args.gpu_new_tokens,
+                                   rng=jax.random.key(next(seed)), temperature=1.0, eos_ids=(), mesh=mesh)
     seconds = _median_time(run, args.repeats)
-    slots = sampling.bucket_length(args.gpu_prompt_len) + args.gpu_new_tokens
+    slots = rollout.bucket_length(args.gpu_prompt_len) + args.gpu_new_tokens
     kv_bytes = batch * slots * config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(
         jnp.bfloat16).itemsize  # the attention reads every preallocated slot each step
     step = seconds / args.gpu_new_tokens  # prefill included: a conservative per-step time

@@ -6,9 +6,9 @@ few tokens to the cap the same way. 32-token prompts, cap 512, temperature 1, no
 --long_tail_rows (64 and 256 by default).
 
 Contenders, timed round-robin after warm-up calls (so load from other jobs falls on all alike), best of --repeats:
-- engine: `jaxrlvr.engine_scheduler.generate` (continuous batching over decode slots, `--decode_slots` per device,
+- engine: `jaxrlvr.rollout.scheduler.generate` (continuous batching over decode slots, `--decode_slots` per device,
   0: a slot per row) on the benchmark's CPU devices, batch sharded, and on one device;
-- static: today's `jaxrlvr.sampling.generate` on the same mesh (one batch decoded until its longest row stops);
+- static: today's `jaxrlvr.rollout.generate` on the same mesh (one batch decoded until its longest row stops);
 - transformers' `generate` (static batch, its dynamic cache) and `generate_batch` (continuous batching, paged
   cache), same weights, in a process of their own, with each thread count of --hf_threads;
 - with --slots_per_device=N, the memory-bound pair: the engine with N decode slots a device against the static
@@ -36,8 +36,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrlvr import engine, engine_scheduler, parallel, sampling
+from jaxrlvr import parallel, rollout
 from jaxrlvr.models import ModelConfig, Transformer, load_pretrained, save_pretrained
+from jaxrlvr.rollout import engine, scheduler
 
 LONG_TAIL_MODEL = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=256, intermediate_size=1024, num_layers=4,
                               num_heads=8, num_kv_heads=2, head_dim=32, tie_embeddings=True, qkv_bias=True,
@@ -107,7 +108,7 @@ def _contest(prompts, cap, ours, ours_one, mesh, conn, args) -> dict:
   def engine_call(model, on_mesh):
     stats = {}
     start = time.perf_counter()
-    out = engine_scheduler.generate(model, prompts, rng=jax.random.key(next(seeds)), mesh=mesh if on_mesh else None,
+    out = scheduler.generate(model, prompts, rng=jax.random.key(next(seeds)), mesh=mesh if on_mesh else None,
                                     decode_slots=args.decode_slots, chunk_steps=args.decode_chunk_steps, stats=stats,
                                     **common)
     seconds = time.perf_counter() - start
@@ -116,8 +117,8 @@ def _contest(prompts, cap, ours, ours_one, mesh, conn, args) -> dict:
 
   def static_call(rows_per_device=0):
     start = time.perf_counter()
-    out = sampling.generate(ours, prompts, rng=jax.random.key(next(seeds)), mesh=mesh,
-                            max_rows_per_device=rows_per_device, **common)
+    out = rollout.generate(ours, prompts, rng=jax.random.key(next(seeds)), mesh=mesh,
+                           max_rows_per_device=rows_per_device, **common)
     seconds = time.perf_counter() - start
     if not rows_per_device:
       shares["static"].append(out.lengths.sum() / (len(prompts) * out.lengths.max()))
@@ -125,7 +126,7 @@ def _contest(prompts, cap, ours, ours_one, mesh, conn, args) -> dict:
 
   def bounded_engine_call():
     start = time.perf_counter()
-    out = engine_scheduler.generate(ours, prompts, rng=jax.random.key(next(seeds)), mesh=mesh,
+    out = scheduler.generate(ours, prompts, rng=jax.random.key(next(seeds)), mesh=mesh,
                                     decode_slots=args.slots_per_device, chunk_steps=args.decode_chunk_steps, **common)
     return time.perf_counter() - start, int(out.lengths.sum())
 
@@ -219,7 +220,7 @@ def gpu_engine_section(args: argparse.Namespace, peak: float | None) -> None:
     def call():
       stats.clear()
       start = time.perf_counter()
-      out = engine_scheduler.generate(model, prompts, max_new_tokens=args.gpu_long_cap, rng=jax.random.key(next(seeds)),
+      out = scheduler.generate(model, prompts, max_new_tokens=args.gpu_long_cap, rng=jax.random.key(next(seeds)),
                                       temperature=1.0, eos_ids=stop_ids, mesh=mesh, stats=stats)
       return time.perf_counter() - start, out
 
@@ -240,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--hf_threads", type=ints, default=sorted({os.cpu_count() or 1, 1}, reverse=True),
                       help="transformers' thread counts (the faster is reported)")
   parser.add_argument("--decode_slots", type=int, default=0, help="the engine's slots per device; 0: one per row")
-  parser.add_argument("--decode_chunk_steps", type=int, default=engine_scheduler.DEFAULT_CHUNK_STEPS)
+  parser.add_argument("--decode_chunk_steps", type=int, default=scheduler.DEFAULT_CHUNK_STEPS)
   parser.add_argument("--slots_per_device", type=int, default=0,
                       help="> 0 adds the memory-bound pair: the engine with this many decode slots a device against "
                            "the static sampler in calls of max_rows_per_device=this (the same KV cache)")

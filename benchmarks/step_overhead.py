@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxrlvr import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+from jaxrlvr import outputs
 from jaxrlvr import train  # pylint: disable=g-import-not-at-top
 
 _SPLIT = ("time/rollout_s", "time/replay_s", "time/update_s", "time/step_s")
@@ -41,7 +41,7 @@ def _config(method: str, steps: int, cache: str):
 def run_once(method: str, steps: int, skip: int, cache: str) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     train.run(_config(method, steps, cache), workdir)
-    rows = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = [r for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
             if r["step"] > skip and "time/step_s" in r and r["step"] < steps]
   out = {key: float(np.median([r[key] for r in rows])) for key in _SPLIT}
   # Wall clock between the first and last measured rows, per step: includes what falls between steps' timers

@@ -52,7 +52,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.data.solution_field = "solution"  # the warm start's targets; a source whose rows lack it skips the warm start
   c.data.eval_size = 200  # questions evaluated: the first of the eval set (0: all of it)
   # RL draws its fresh questions from the first N training rows (0: all); the warm start still reads every row. The
-  # comparison's data-limited regime sets it so that questions come back (jaxrlvr/compare_arms.py).
+  # comparison's data-limited regime sets it so that questions come back (jaxrlvr/compare/arms.py).
   c.data.rl_train_size = 0
   # Every training and eval prompt is checked against this at start; the embedded task's are at most 15 tokens.
   c.data.max_prompt_len = 16
@@ -75,12 +75,12 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.rollout.max_rows_per_device = 0  # rows a call holds per batch shard (bounds the KV cache); 0: kv_cache_gb decides
   # A call's KV cache budget per device, in GB, for max_rows_per_device=0: the rows of a call are then the largest
   # power of two whose cache fits, at the lengths the run has after command-line overrides; 0: no budget, all the
-  # rows in one call (jaxrlvr.plan_memory.rows_per_sampler_call).
+  # rows in one call (jaxrlvr.run_setup.rows_per_sampler_call).
   c.rollout.kv_cache_gb = 0.0
   c.rollout.prefill_rows_per_device = 0  # rows per device the prefill runs at once (bounds its activations); 0: all
   c.rollout.prefill_chunk_tokens = 0  # prompt slots the prefill writes at once; 0: the whole prompt bucket
   # How every sampler call decodes; samples do not depend on it (float rounding aside).
-  c.rollout.engine = "static"  # or "continuous": decode slots rows leave as they stop (engine.py; one process;
+  c.rollout.engine = "static"  # or "continuous": decode slots rows leave as they stop (rollout/engine.py; one process;
   # README "The rollout engine")
   c.rollout.decode_slots = 0  # the engine's decode slots per batch shard; 0: max_rows_per_device, else one per row
   c.rollout.decode_chunk_steps = 16  # the engine's decode steps between two looks at which rows are done

@@ -14,8 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxrlvr.data import templates
-from jaxrlvr.data.sources import Example
+from jaxrlvr import data as data_lib
 
 # generate_fn(prompts, temperature, n) -> (completions, lengths); n samples per prompt, prompt-major:
 # completions[i * n + j] is sample j of prompt i, lengths are their token counts.
@@ -58,7 +57,7 @@ def mean_length(lengths: Sequence[int]) -> float:
   return float(np.mean(np.asarray(lengths, np.float64))) if len(lengths) else 0.0
 
 
-def evaluate(generate_fn: GenerateFn, examples: Sequence[Example], **kwargs) -> dict[str, float]:
+def evaluate(generate_fn: GenerateFn, examples: Sequence[data_lib.Example], **kwargs) -> dict[str, float]:
   """The metrics named in the module docstring; the arguments are evaluate_with_samples' (without num_samples)."""
   metrics, _ = evaluate_with_samples(generate_fn, examples, **kwargs)
   return metrics
@@ -72,7 +71,7 @@ def sample_indices(num_examples: int, num_samples: int) -> list[int]:
   return sorted({int(i) for i in np.linspace(0, num_examples - 1, min(num_samples, num_examples)).round()})
 
 
-def evaluate_with_samples(generate_fn: GenerateFn, examples: Sequence[Example], *, k: int = 1,
+def evaluate_with_samples(generate_fn: GenerateFn, examples: Sequence[data_lib.Example], *, k: int = 1,
                           temperature: float = 0.0, template: str = "plain", tokenizer=None, reward_fn=None,
                           greedy: bool = True, num_samples: int = 0) -> tuple[dict[str, float], list[dict]]:
   """Generates for every example and scores it; returns the metrics named in the module docstring and `num_samples`
@@ -100,7 +99,7 @@ def evaluate_with_samples(generate_fn: GenerateFn, examples: Sequence[Example], 
   if reward_fn is None:
     from jaxrlvr.rewards import math_reward  # pylint: disable=g-import-not-at-top
     reward_fn = math_reward
-  prompts = [templates.format_prompt(e, template=template, tokenizer=tokenizer) for e in examples]
+  prompts = [data_lib.format_prompt(e, template=template, tokenizer=tokenizer) for e in examples]
   answers = [e.answer for e in examples]
   sources = [e.data_source for e in examples]
   metrics, samples = {}, []

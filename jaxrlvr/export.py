@@ -40,7 +40,7 @@ from jaxrlvr import data as data_lib
 from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
-from jaxrlvr.models import hf as hf_lib
+from jaxrlvr import run_setup
 
 FINAL_DIR = "hf"  # DIR/hf: the policy at the end of the run
 
@@ -94,7 +94,7 @@ def run_dtype(config: ml_collections.ConfigDict) -> str | None:
   path = os.path.join(config.model.path, "config.json") if config.model.path else ""
   if not path or not os.path.isfile(path):
     return None
-  return hf_lib.checkpoint_dtype(hf_lib.read_config(config.model.path))
+  return models.checkpoint_dtype(models.read_config(config.model.path))
 
 
 def _umask() -> int:
@@ -148,16 +148,13 @@ def _manager(workdir: str) -> ocp.CheckpointManager:
 
 
 def model_config_from_run(config: ml_collections.ConfigDict) -> models.ModelConfig:
-  """The policy's ModelConfig as train.build_policy made it: the HF directory's config.json, or the preset."""
-  m = config.model
-  if not m.path:
-    return models.from_config(config)
-  if not os.path.isfile(os.path.join(m.path, "config.json")):
-    raise ExportError(f"config.model.path={m.path!r} (the run's config.json) has no config.json any more; the "
-                      "export takes the architecture from it")
-  return hf_lib.config_from_hf(hf_lib.read_config(m.path), source=os.path.join(m.path, "config.json"),
-                               param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, attention=m.attention,
-                               remat=m.remat)
+  """The policy's ModelConfig as the run built it (run_setup.model_config): the HF directory's config.json, or the
+  preset."""
+  try:
+    return run_setup.model_config(config)
+  except FileNotFoundError:
+    raise ExportError(f"config.model.path={config.model.path!r} (the run's config.json) has no config.json any "
+                      "more; the export takes the architecture from it") from None
 
 
 def restore_policy(workdir: str, step: int, model_config: models.ModelConfig,

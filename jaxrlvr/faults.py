@@ -36,8 +36,8 @@ import jax
 from absl import logging
 
 from jaxrlvr import config_lib
-from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import multihost
+from jaxrlvr import outputs
 from jaxrlvr import replay
 from jaxrlvr import warm_start
 
@@ -160,7 +160,7 @@ class UnsolvableWatch:
   evaluation is the same on every host, and the rollout counts are summed over hosts at step N (`host_mean`).
   """
 
-  def __init__(self, config, *, start_step: int, num_eval: int, writer: metrics_lib.MetricWriter | None = None):
+  def __init__(self, config, *, start_step: int, num_eval: int, writer: outputs.MetricWriter | None = None):
     self.config, self.num_eval, self.writer = config, num_eval, writer
     self.steps = int(config.train.get("stop_if_unsolvable_steps", 0))  # absent from a config built by hand: off
     if self.steps < 0:

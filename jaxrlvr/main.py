@@ -27,8 +27,8 @@ from jaxrlvr import data as data_lib
 from jaxrlvr import faults
 from jaxrlvr import logs
 from jaxrlvr import replay
+from jaxrlvr import rewards
 from jaxrlvr import xla_cpu
-from jaxrlvr.rewards import judge as judge_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/exgrpo.py[:arg].",
                                           lock_config=True)
@@ -59,7 +59,7 @@ def main(argv):
     parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                     heartbeat_timeout_s=_HEARTBEAT.value)
     train.run(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, data_lib.DataError, faults.RunError, judge_lib.JudgeError,
+  except (config_lib.ConfigError, data_lib.DataError, faults.RunError, rewards.JudgeError,
           replay.QuestionsExhausted) as e:
     if _verbose():
       raise

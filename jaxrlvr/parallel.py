@@ -20,11 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrlvr import config_lib
 from jaxrlvr import models
-from jaxrlvr.models.config import ModelConfig
 # The rules live with the model (models.hf places loaded tensors with them); callers reach them through this module.
-from jaxrlvr.models.sharding import BATCH_AXES, DEFAULT_RULES, MESH_AXES
-from jaxrlvr.models.sharding import logical_names, logical_to_spec, param_shardings, param_specs
-from jaxrlvr.models.transformer import Transformer
+from jaxrlvr.models import BATCH_AXES, DEFAULT_RULES, MESH_AXES, ModelConfig, Transformer
+from jaxrlvr.models import logical_names, logical_to_spec, param_shardings, param_specs
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:

@@ -7,7 +7,7 @@ rematerialised (`jax.checkpoint`) so the backward pass recomputes its logits ins
 a `lax.scan` over vocabulary chunks with an online log-sum-exp. Peak logits memory is [B, chunk_size,
 vocab_chunk_size] (forward and backward).
 
-Definitions (match `jaxrlvr.sampling.generate` at temperature T with no top-k / top-p):
+Definitions (match `jaxrlvr.rollout.generate` at temperature T with no top-k / top-p):
   logprobs[:, t] = log softmax(logits_{t-1} / T)[input_ids[:, t]],  entropies[:, t] = entropy of that distribution,
   where logits_{t-1} are the model's logits after input_ids[:, :t]. Position 0 has no prediction and gets 0, and so
   does every position whose `attention_mask` is 0 (padding), so sums over a row need no further masking.

@@ -1,8 +1,19 @@
 """Every test sees 8 fake CPU devices, so sharded code runs on a laptop and in CI."""
 import os
+import shutil
 import tempfile
 
-from jaxrlvr import xla_cpu
+# One persistent XLA compilation cache for the whole test run, shared by its xdist workers and the jobs tests start
+# in subprocesses: most tests build the same tiny models and steps, so each function compiles once a run instead of
+# once a test and process. The controller (which loads this file first, from testpaths) picks the directory and the
+# workers inherit it; a new one each run, so a run never reads what an older jax or older code compiled, and the
+# controller removes it at the end.
+_XLA_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jaxrlvr-test-xla-{os.getuid()}-{os.getpid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in under 1 s
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top,wrong-import-position  (after the cache settings)
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,3 +27,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the same for every method, and a cache entry is written atomically, so parallel workers can share it.
 os.environ.setdefault("JAXRLVR_WARM_START_CACHE",
                       os.path.join(tempfile.gettempdir(), f"jaxrlvr-test-warm-start-{os.getuid()}"))
+
+
+def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+  if not os.environ.get("PYTEST_XDIST_WORKER") and _XLA_CACHE.startswith(tempfile.gettempdir()):
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)

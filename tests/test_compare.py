@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxrlvr import compare
-from jaxrlvr import plots
-from jaxrlvr import run_data
+from jaxrlvr import outputs
+from jaxrlvr.compare import plots
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,15 +38,15 @@ def _write_run(workdir, *, method, seed, tokens_per_step, evals, step_s=1.0, ext
 
 
 def test_confidence_interval_by_hand():
-  mean, half = compare.confidence_interval([1.0, 2.0, 3.0])
+  mean, half = outputs.confidence_interval([1.0, 2.0, 3.0])
   # mean 2, sample std 1, sem 1/sqrt(3) = 0.57735; t(0.975, df=2) = 4.302653 -> 4.302653 * 0.57735 = 2.48414.
   assert mean == pytest.approx(2.0)
   assert half == pytest.approx(2.48414, abs=1e-5)
-  mean, half = compare.confidence_interval([[0.0, 1.0], [2.0, 1.0]])  # per column: [0, 2] and [1, 1]
+  mean, half = outputs.confidence_interval([[0.0, 1.0], [2.0, 1.0]])  # per column: [0, 2] and [1, 1]
   # column 0: sem = sqrt(2)/sqrt(2) = 1, t(0.975, 1) = 12.7062; column 1: no spread.
   np.testing.assert_allclose(mean, [1.0, 1.0])
   np.testing.assert_allclose(half, [12.7062, 0.0], atol=1e-4)
-  mean, half = compare.confidence_interval([0.4])
+  mean, half = outputs.confidence_interval([0.4])
   assert mean == pytest.approx(0.4) and np.isnan(half)
 
 
@@ -68,12 +68,12 @@ def test_resumed_rows_are_deduplicated_and_a_gap_is_an_error(tmp_path):
   _write_run(run, method="grpo", seed=0, tokens_per_step=[10, 20, 30], evals={0: 0.0, 3: 0.5}, duplicate_from=2)
   with open(os.path.join(run, "metrics.jsonl"), "a") as f:
     f.write('{"step": 4, "rollout/sampl')  # killed mid-write
-  data = compare.load_run(run)
+  data = outputs.load_run(run)
   assert (data.method, data.seed, sorted(data.rows)) == ("grpo", 0, [0, 1, 2, 3])
   assert data.tokens == {0: 0.0, 1: 10.0, 2: 30.0, 3: 60.0}  # steps 2 and 3 counted once
   rows = {0: {"step": 0}, 1: {"rollout/sampled_tokens": 5}, 3: {"rollout/sampled_tokens": 5}}
   with pytest.raises(ValueError, match=r"steps \[2\].*log_every=1"):
-    compare.cumulative_tokens(rows, source="x")
+    outputs.cumulative_tokens(rows, source="x")
 
 
 def _two_methods(tmp_path):
@@ -88,7 +88,7 @@ def _two_methods(tmp_path):
   for seed, final in ((0, 0.6), (1, 0.8)):
     _write_run(str(tmp_path / f"exgrpo-s{seed}"), method="exgrpo", seed=seed, tokens_per_step=[80] * 5,
                evals={0: 0.2, 2: 0.4, 4: 0.5, 5: final}, step_s=2.0, extra=extra)
-  return [compare.load_run(str(tmp_path / n)) for n in ("grpo-s0", "grpo-s1", "exgrpo-s0", "exgrpo-s1")]
+  return [outputs.load_run(str(tmp_path / n)) for n in ("grpo-s0", "grpo-s1", "exgrpo-s0", "exgrpo-s1")]
 
 
 def test_summarize_cuts_every_curve_at_the_common_budget(tmp_path):
@@ -201,6 +201,8 @@ def test_train_command_runs_one_device_per_run():
   for flag in ("--config.seed=2", "--config.total_steps=7", "--config.log_every=1", "--config.eval_every=3",
                "--config.warm_start.cache_dir=/c", "--config.optim.lr=1e-5"):
     assert flag in cmd
+  pretrained = compare.train_command(spec, steps=7, eval_every=3, smoke=False, cache_dir="", model="smollm2-135m")
+  assert pretrained[3].endswith("configs/exgrpo.py:model=smollm2-135m")
   env = compare.run_env(threads=1)
   assert "--xla_force_host_platform_device_count=1" in env["XLA_FLAGS"].split()
   assert "--xla_force_host_platform_device_count=8" not in env["XLA_FLAGS"]
@@ -232,11 +234,11 @@ def test_overrides_and_the_workdir_config_check(tmp_path):
 @pytest.mark.slow
 def test_presets_make_their_overrides():
   # data_limited: 200 steps x 16 questions over 800 questions (4 visits each); paper_shaped: 1,600 (2 visits).
-  limited = compare.compare_arms.preset("data_limited").run_overrides(steps=200, batch_size=16)
+  limited = compare.arms.preset("data_limited").run_overrides(steps=200, batch_size=16)
   assert limited == ["eval.k=8", "eval.temperature=1.0", "data.rl_train_size=800"]
-  shaped = compare.compare_arms.preset("paper_shaped").run_overrides(steps=200, batch_size=16)
+  shaped = compare.arms.preset("paper_shaped").run_overrides(steps=200, batch_size=16)
   assert shaped[-1] == "data.rl_train_size=1600" and "train.num_minibatches=2" in shaped
-  assert compare.compare_arms.preset("fresh").run_overrides(steps=200, batch_size=16) == ["eval.k=8",
+  assert compare.arms.preset("fresh").run_overrides(steps=200, batch_size=16) == ["eval.k=8",
                                                                                          "eval.temperature=1.0"]
 
 
@@ -245,11 +247,11 @@ def test_mechanism_figures_by_hand():
   # Replayed rollouts: question 7 three times, 8 once, so the top-1 question has 3 of the 4 replays.
   questions = {1: {"step": 1, "qid": [1, 2, 3, 4], "groups": 4, "signal": 3, "replayed_qids": [7, 7]},
                2: {"step": 2, "qid": [5, 6], "groups": 4, "signal": 1, "replayed_qids": [7, 8]}}
-  m = run_data.mechanism_stats(questions, first_steps=1, top=1)
+  m = outputs.mechanism_stats(questions, first_steps=1, top=1)
   assert (m.signal_share, m.signal_share_first, m.questions_trained, m.replayed) == (0.5, 0.75, 8, 4)
   assert m.replay_top_share == 0.75
-  assert run_data.mechanism_stats(questions, last_step=1, top=1).replay_top_share == 1.0
-  assert np.isnan(run_data.mechanism_stats({1: {"step": 1, "qid": [1]}}).signal_share)  # an older run's file
+  assert outputs.mechanism_stats(questions, last_step=1, top=1).replay_top_share == 1.0
+  assert np.isnan(outputs.mechanism_stats({1: {"step": 1, "qid": [1]}}).signal_share)  # an older run's file
 
 
 def test_cli_end_to_end_on_smoke_configs(tmp_path):
@@ -269,7 +271,7 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
     table = {r["method"]: r for r in csv.DictReader(f)}
   assert list(table) == ["grpo", "exgrpo-no_shaping", "sft"]
   budget = float(table["grpo"]["budget_tokens"])
-  runs = {n: compare.load_run(os.path.join(outdir, "runs", f"{n}-s0"), method=n, seed=0)
+  runs = {n: outputs.load_run(os.path.join(outdir, "runs", f"{n}-s0"), method=n, seed=0)
           for n in ("grpo", "exgrpo-no_shaping", "sft")}
   assert budget == min(runs["grpo"].total_tokens, runs["exgrpo-no_shaping"].total_tokens) > 0
   # The preset: 4 smoke steps x 4 questions over data.rl_train_size = 16 / 2 = 8 questions, so GRPO sampled each
@@ -278,14 +280,14 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
     config = json.load(f)
   assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["shaping_beta"]) == (8, 8, 0.0)
   assert (config["train"]["num_minibatches"], config["data"]["levels"]) == (2, "add1x2,add2,add3,addsub2,mul2x2")
-  visits = run_data.visit_stats(runs["grpo"].questions)
+  visits = outputs.visit_stats(runs["grpo"].questions)
   assert (visits.questions, visits.visits_mean, visits.visits_max) == (8, 2.0, 2)
   # The mechanism figures: every step's composed groups in questions.jsonl, the gradient share in metrics.jsonl.
   for name in ("grpo", "exgrpo-no_shaping"):
     assert all(row["groups"] == 4 and 0 <= row["signal"] <= 4 for row in runs[name].questions.values())
     steps = [row for step, row in runs[name].rows.items() if step > 0]
     assert all(0 <= row["policy/replayed_grad_share"] <= 1 for row in steps)
-  mechanism = run_data.mechanism_stats(runs["grpo"].questions)
+  mechanism = outputs.mechanism_stats(runs["grpo"].questions)
   assert mechanism.questions_trained == 8 and mechanism.replayed == 0 and 0 <= mechanism.signal_share <= 1
   assert 0 <= float(table["grpo"]["signal_share_mean"]) <= 1
   assert sorted(runs["grpo"].questions) == [1, 2, 3, 4]
@@ -295,7 +297,7 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   # the same evaluator: its step-0 evaluation is the grpo run's, metric for metric.
   sft = runs["sft"]
   assert sft.kind == "sft" and sft.total_tokens == 0 and not sft.questions
-  with open(os.path.join(outdir, "runs", "sft-s0", run_data.SFT_FILE)) as f:
+  with open(os.path.join(outdir, "runs", "sft-s0", outputs.SFT_FILE)) as f:
     state = json.load(f)
   grpo_wall = runs["grpo"].wall[max(runs["grpo"].rows)]
   assert state["finished"] and state["target_wall_s"] == pytest.approx(grpo_wall, rel=1e-3)

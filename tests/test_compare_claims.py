@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from jaxrlvr import compare
-from jaxrlvr import compare_arms
-from jaxrlvr import compare_stats
-from jaxrlvr import run_data
+from jaxrlvr import outputs
+from jaxrlvr import run_setup
 from jaxrlvr import train
+from jaxrlvr.compare import arms as compare_arms
+from jaxrlvr.compare import stats as compare_stats
 from jaxrlvr.data import iterator
 from jaxrlvr.replay import base as replay_base
 
@@ -32,8 +33,26 @@ def test_presets_set_the_regime_pass_at_8_and_the_seeds():
   assert fresh.arms == ("grpo", "exgrpo", "advantage_priority", "bapo", "sft")
   assert set(compare_arms.ABLATIONS) <= set(limited.arms) and "sft" in limited.arms
   with pytest.raises(compare_arms.CompareError,
-                     match="no such preset; known: \\['data_limited', 'fresh', 'paper_shaped'\\]"):
+                     match="no such preset; known: \\['data_limited', 'fresh', 'paper_shaped', 'smollm2'\\]"):
     compare_arms.preset("tiny")
+
+
+def test_the_smollm2_preset_runs_the_pretrained_model_on_its_spread_levels():
+  smol = compare_arms.PRESETS["smollm2"]
+  overrides = smol.run_overrides(steps=60, batch_size=4)
+  assert smol.model == "smollm2-135m" and smol.seeds == 3 and smol.arms == ("grpo", "exgrpo-no_delay")
+  assert "data.rl_train_size=120" in overrides  # 60 steps x 4 questions, two visits each
+  assert compare_arms.config_arg(model=smol.model, smoke=True) == "model=smollm2-135m,smoke"
+  assert compare_arms.config_arg() == ""
+  configs = {arm: compare_arms.arm_config(compare_arms.resolve_arm(arm), seed=1, overrides=overrides,
+                                          model=smol.model) for arm in smol.arms}
+  for config in configs.values():
+    assert config.model.preset == "smollm2-135m" and config.reward.literal_numbers
+    assert config.data.levels == "add2,mul1x2" and config.rollout.temperature == config.eval.temperature == 0.6
+    assert config.train.num_minibatches == 2 and config.seed == 1
+  assert configs["exgrpo-no_delay"].replay.name == "exgrpo"
+  assert configs["exgrpo-no_delay"].replay.start_solve_rate == 0.0
+  assert configs["grpo"].replay.name == "none"
 
 
 @pytest.mark.parametrize("arm, key, value", [
@@ -84,14 +103,14 @@ def test_the_trainer_draws_from_the_first_rl_train_size_questions():
   config = compare_arms.arm_config(compare_arms.resolve_arm("grpo"), seed=0, overrides=["data.rl_train_size=6"],
                                    smoke=True)
   train_set = range(100)
-  questions = iterator.QuestionIterator(range(train.rl_train_size(config, train_set)), seed=0)
+  questions = iterator.QuestionIterator(range(run_setup.rl_train_size(config, train_set)), seed=0)
   drawn = questions.next(18)
   assert sorted(set(drawn)) == [0, 1, 2, 3, 4, 5] and all(drawn.count(q) == 3 for q in range(6))  # 3 epochs
   config.data.rl_train_size = 0
-  assert train.rl_train_size(config, train_set) == 100
+  assert run_setup.rl_train_size(config, train_set) == 100
   config.data.rl_train_size = 101
   with pytest.raises(ValueError, match="rl_train_size=101: must be in \\[0, 100\\]"):
-    train.rl_train_size(config, train_set)
+    run_setup.rl_train_size(config, train_set)
 
 
 def _group(qid, rewards):
@@ -106,23 +125,23 @@ def test_questions_log_and_the_share_solved_later(tmp_path):
       ([Request(3, 4), Request(2, 3, 0, "replay")], [[0, 0, 0, 0], [0, 0, 0]]),  # q3 again 0/4; q2 was not hard
   ]
   for step, (requests, rewards) in enumerate(steps, 1):
-    run_data.append_questions(str(tmp_path), step, requests, [_group(r.qid, w) for r, w in zip(requests, rewards)],
-                              threshold=replay_base.CORRECT_THRESHOLD)
+    outputs.append_questions(str(tmp_path), step, requests, [_group(r.qid, w) for r, w in zip(requests, rewards)],
+                             threshold=replay_base.CORRECT_THRESHOLD)
   # A resumed run logs step 3 again (the same line); the last one of a step counts.
   requests, rewards = steps[2]
-  run_data.append_questions(str(tmp_path), 3, requests, [_group(r.qid, w) for r, w in zip(requests, rewards)],
-                            threshold=replay_base.CORRECT_THRESHOLD)
-  rows = run_data.read_rows(str(tmp_path / run_data.QUESTIONS_FILE))
+  outputs.append_questions(str(tmp_path), 3, requests, [_group(r.qid, w) for r, w in zip(requests, rewards)],
+                           threshold=replay_base.CORRECT_THRESHOLD)
+  rows = outputs.read_rows(str(tmp_path / outputs.QUESTIONS_FILE))
   assert sorted(rows) == [1, 2, 3]
   assert rows[2] == {"step": 2, "qid": [4, 1], "kind": ["fresh", "reroll"], "correct": [0, 1], "samples": [4, 4]}
-  stats = run_data.visit_stats(rows)
+  stats = outputs.visit_stats(rows)
   # 4 questions; visits q1 2, q2 2, q3 2, q4 1 -> mean 7/4; hard at first: q1, q3, q4; revisited q1, q3; solved q1.
   assert (stats.questions, stats.visits_mean, stats.visits_max, stats.revisited) == (4, 1.75, 2, 3)
   assert (stats.hard_first, stats.hard_revisited, stats.hard_solved_later) == (3, 2, 1)
   assert stats.hard_solved_share == pytest.approx(1 / 3)
-  early = run_data.visit_stats(rows, last_step=1)  # up to the budget's step
+  early = outputs.visit_stats(rows, last_step=1)  # up to the budget's step
   assert (early.hard_first, early.hard_solved_later) == (2, 0) and early.hard_solved_share == 0.0
-  assert np.isnan(run_data.visit_stats({}).hard_solved_share)
+  assert np.isnan(outputs.visit_stats({}).hard_solved_share)
 
 
 def _write(workdir, *, seed, tokens, evals, step_s=1.0, questions=(), sft=None):
@@ -141,10 +160,10 @@ def _write(workdir, *, seed, tokens, evals, step_s=1.0, questions=(), sft=None):
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
   if questions:
-    with open(os.path.join(workdir, run_data.QUESTIONS_FILE), "w") as f:
+    with open(os.path.join(workdir, outputs.QUESTIONS_FILE), "w") as f:
       f.writelines(json.dumps(q) + "\n" for q in questions)
   if sft is not None:
-    with open(os.path.join(workdir, run_data.SFT_FILE), "w") as f:
+    with open(os.path.join(workdir, outputs.SFT_FILE), "w") as f:
       json.dump({"target_wall_s": sft, "finished": True}, f)
 
 
@@ -161,7 +180,7 @@ def test_claims_stability_pass_at_k_and_the_control_by_hand(tmp_path):
   # The control: no tokens, 1 s a step, evals at 0, 3, 8, 9 s; grpo trained 8 s to the budget (4 steps x 2 s).
   _write(str(tmp_path / "sft-s0"), seed=0, tokens=[0] * 9, questions=(), sft=12.0,
          evals={0: (0.4, 0.7), 3: (0.45, 0.72), 8: (0.5, 0.75), 9: (0.9, 0.99)})
-  runs = [compare.load_run(str(tmp_path / f"{arm}-s0"), method=arm, seed=0) for arm in ("grpo", "bapo", "sft")]
+  runs = [outputs.load_run(str(tmp_path / f"{arm}-s0"), method=arm, seed=0) for arm in ("grpo", "bapo", "sft")]
   assert [r.kind for r in runs] == ["rl", "rl", "sft"]
   summary = compare.summarize(runs, budget_tokens=400, baseline="grpo")
   assert summary.pass_key == "eval/pass@8"
@@ -235,7 +254,7 @@ def test_run_all_runs_the_control_after_its_grpo_run_for_its_training_time(tmp_p
                            budget_tokens=None, launch_sft=launch_sft)
   assert errors["grpo-s0"].startswith("RuntimeError") and "grpo-s0 failed" in errors["sft-s0"]
   cmd = compare.sft_command(specs[2], wall_s=6.0, evals=8, smoke=True, cache_dir="/c", overrides=["eval.k=8"])
-  assert cmd[1:3] == ["-m", "jaxrlvr.sft_control"] and cmd[3].endswith("configs/grpo.py:smoke")
+  assert cmd[1:3] == ["-m", "jaxrlvr.compare.sft_control"] and cmd[3].endswith("configs/grpo.py:smoke")
   for flag in ("--config.seed=0", "--config.eval.k=8", "--wall_s=6.000000", "--evals=8"):
     assert flag in cmd
   assert "--all_questions" not in cmd

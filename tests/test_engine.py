@@ -8,11 +8,11 @@ import scipy.stats
 from flax import nnx
 
 import hf_greedy
-from jaxrlvr import engine
-from jaxrlvr import engine_scheduler
-from jaxrlvr import sampling
+from jaxrlvr import rollout
 from jaxrlvr import scoring
 from jaxrlvr.models import ModelConfig, Transformer
+from jaxrlvr.rollout import engine
+from jaxrlvr.rollout import scheduler
 
 # test_sampling.py's model: a larger init than HF's 0.02, so next-token distributions are peaked and greedy has no ties.
 _CONFIG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -52,40 +52,40 @@ def test_segment_bounds_cover_the_capacity():
 def test_compaction_sizes_are_bounded_by_the_chunk_boundaries(model):
   """Steps of 3/4 and 2/3; with fewer chunk boundaries than those sizes, halvings, as many as the boundaries. A call
   of 26 tokens in 16-step chunks (the embedded default's) compiles two decode shapes, not eleven."""
-  assert engine_scheduler.compaction_sizes(64, 2) == [48, 32, 24, 16, 12, 8]
-  assert engine_scheduler.compaction_sizes(64, 2, max_levels=6) == [48, 32, 24, 16, 12, 8]
-  assert engine_scheduler.compaction_sizes(128, 1, max_levels=3) == [64, 32, 16]
-  assert engine_scheduler.compaction_sizes(128, 1, max_levels=1) == [64]
-  assert engine_scheduler.compaction_sizes(128, 1, max_levels=0) == []
+  assert scheduler.compaction_sizes(64, 2) == [48, 32, 24, 16, 12, 8]
+  assert scheduler.compaction_sizes(64, 2, max_levels=6) == [48, 32, 24, 16, 12, 8]
+  assert scheduler.compaction_sizes(128, 1, max_levels=3) == [64, 32, 16]
+  assert scheduler.compaction_sizes(128, 1, max_levels=1) == [64]
+  assert scheduler.compaction_sizes(128, 1, max_levels=0) == []
   before = engine.TRACE_COUNTS["decode"]
-  engine_scheduler.generate(model, _group_prompts(groups=16, samples=8), max_new_tokens=26, rng=0, eos_ids=(5, 11),
+  scheduler.generate(model, _group_prompts(groups=16, samples=8), max_new_tokens=26, rng=0, eos_ids=(5, 11),
                             chunk_steps=16)
   assert engine.TRACE_COUNTS["decode"] - before == 2  # 128 slots, then 64
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_engine_equals_the_static_sampler(model, small_segments, temperature):
-  """Same tokens and lengths as `sampling.generate` (stop ids, pad after the stop), log-probs and entropies to 2e-5;
-  also through `sampling.generate(engine='continuous')`."""
+  """Same tokens and lengths as `rollout.generate` (stop ids, pad after the stop), log-probs and entropies to 2e-5;
+  also through `rollout.generate(engine='continuous')`."""
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(3), temperature=temperature, eos_ids=(5, 11), pad_id=63)
-  static = sampling.generate(model, _PROMPTS, **kwargs)
-  ours = engine_scheduler.generate(model, _PROMPTS, **kwargs)
+  static = rollout.generate(model, _PROMPTS, **kwargs)
+  ours = scheduler.generate(model, _PROMPTS, **kwargs)
   assert 1 < static.lengths.min() < _NEW  # rows stop at different steps
   np.testing.assert_array_equal(ours.lengths, static.lengths)
   np.testing.assert_array_equal(ours.tokens, static.tokens)
   # Two float32 computations of the same numbers (each within ~1e-5 of teacher-forced scoring): 2e-5 apart at most.
   np.testing.assert_allclose(ours.logprobs, static.logprobs, atol=2e-5, rtol=0)
   np.testing.assert_allclose(ours.entropies, static.entropies, atol=2e-5, rtol=0)
-  through = sampling.generate(model, _PROMPTS, engine="continuous", decode_slots=1, **kwargs)
+  through = rollout.generate(model, _PROMPTS, engine="continuous", decode_slots=1, **kwargs)
   np.testing.assert_array_equal(through.tokens, static.tokens)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_equal_teacher_forced_scoring(model, small_segments, temperature):
   prompts = _group_prompts()
-  out = engine_scheduler.generate(model, prompts, max_new_tokens=_NEW, rng=jax.random.key(4), temperature=temperature,
+  out = scheduler.generate(model, prompts, max_new_tokens=_NEW, rng=jax.random.key(4), temperature=temperature,
                                   eos_ids=(5, 11), decode_slots=8, chunk_steps=4)
-  width = sampling.bucket_length(max(map(len, prompts)))
+  width = rollout.bucket_length(max(map(len, prompts)))
   ids = np.zeros((len(prompts), width + _NEW), np.int32)
   mask = np.zeros_like(ids)
   for row, p in enumerate(prompts):
@@ -109,7 +109,7 @@ def test_a_rows_samples_do_not_depend_on_slots_or_order(model, small_segments):
   runs = {}
   for slots in (2, 8, 64):
     stats = {}
-    runs[slots] = engine_scheduler.generate(model, prompts, decode_slots=slots, chunk_steps=4, stats=stats, **kwargs)
+    runs[slots] = scheduler.generate(model, prompts, decode_slots=slots, chunk_steps=4, stats=stats, **kwargs)
     assert stats["useful_row_steps"] == runs[slots].lengths.sum() <= stats["row_steps"]
     if slots < len(prompts):
       assert stats["inserts"] > 1  # queued rows entered freed slots
@@ -120,11 +120,11 @@ def test_a_rows_samples_do_not_depend_on_slots_or_order(model, small_segments):
   lengths = runs[64].lengths
   assert len(set(lengths.tolist())) > 3  # a spread of lengths, so entry times differ
   order = np.random.RandomState(0).permutation(len(prompts))
-  shuffled = engine_scheduler.generate(model, [prompts[i] for i in order], row_keys=order, decode_slots=8,
+  shuffled = scheduler.generate(model, [prompts[i] for i in order], row_keys=order, decode_slots=8,
                                        chunk_steps=3, **kwargs)
   back = np.argsort(order)  # shuffled row back[i] is row i
-  runs["shuffled"] = sampling.SampleOutput(tokens=shuffled.tokens[back], logprobs=shuffled.logprobs[back],
-                                           entropies=shuffled.entropies[back], lengths=shuffled.lengths[back])
+  runs["shuffled"] = rollout.SampleOutput(tokens=shuffled.tokens[back], logprobs=shuffled.logprobs[back],
+                                          entropies=shuffled.entropies[back], lengths=shuffled.lengths[back])
   for name, out in runs.items():
     np.testing.assert_array_equal(out.tokens, runs[64].tokens, err_msg=str(name))
     np.testing.assert_array_equal(out.lengths, lengths, err_msg=str(name))
@@ -141,7 +141,7 @@ def test_rows_are_handed_over_as_they_finish(model, small_segments):
   def on_rows_done(rows, tokens, lengths):
     seen.append((rows, tokens, lengths))
 
-  out = engine_scheduler.generate(model, prompts, max_new_tokens=_NEW, rng=jax.random.key(7), temperature=1.0,
+  out = scheduler.generate(model, prompts, max_new_tokens=_NEW, rng=jax.random.key(7), temperature=1.0,
                                   eos_ids=(5, 11, 17), decode_slots=8, chunk_steps=4, stats=stats,
                                   on_rows_done=on_rows_done)
   rows = np.concatenate([r for r, _, _ in seen])
@@ -151,7 +151,7 @@ def test_rows_are_handed_over_as_they_finish(model, small_segments):
     np.testing.assert_array_equal(lengths, out.lengths[r])
   assert 2 < len(seen) <= stats["chunks"]
   seen.clear()  # the static sampler hands every row over at the end
-  static = sampling.generate(model, prompts, max_new_tokens=8, rng=jax.random.key(7), on_rows_done=on_rows_done)
+  static = rollout.generate(model, prompts, max_new_tokens=8, rng=jax.random.key(7), on_rows_done=on_rows_done)
   assert len(seen) == 1 and seen[0][0].tolist() == list(range(len(prompts)))
   np.testing.assert_array_equal(seen[0][1], static.tokens)
 
@@ -160,9 +160,9 @@ def test_chunked_and_distinct_prefill_give_the_same_samples(model, small_segment
   """The prefill in chunks of 5 slots, or at most 2 distinct prompts at a time: the same rows."""
   prompts = _group_prompts()
   kwargs = dict(max_new_tokens=12, rng=jax.random.key(2), temperature=1.0, decode_slots=8)
-  base = engine_scheduler.generate(model, prompts, **kwargs)
+  base = scheduler.generate(model, prompts, **kwargs)
   for extra in (dict(prefill_chunk_tokens=5), dict(prefill_rows_per_device=2)):
-    out = engine_scheduler.generate(model, prompts, **kwargs, **extra)
+    out = scheduler.generate(model, prompts, **kwargs, **extra)
     np.testing.assert_array_equal(out.tokens, base.tokens, err_msg=str(extra))
 
 
@@ -202,7 +202,7 @@ def test_engine_samples_the_target_distribution(model, temperature, top_k, top_p
   most frequent first one (sampled by the decode step) follow the model's filtered distribution."""
   prompt = [3, 14, 15, 9, 2]
   rows = 4096
-  out = engine_scheduler.generate(model, [prompt] * rows, max_new_tokens=2, rng=jax.random.key(11),
+  out = scheduler.generate(model, [prompt] * rows, max_new_tokens=2, rng=jax.random.key(11),
                                   temperature=temperature, top_k=top_k, top_p=top_p)
   first_logits = np.asarray(model(jnp.asarray([prompt])))[0, -1]
   first = out.tokens[:, 0]
@@ -223,11 +223,11 @@ def test_no_recompilation_across_calls(model, small_segments):
   a step, on where rows stop, or on when they enter."""
   kwargs = dict(max_new_tokens=_NEW, top_k=7, decode_slots=4, chunk_steps=5)  # a spec no other test uses
   prompts = _group_prompts()
-  engine_scheduler.generate(model, prompts, rng=jax.random.key(0), temperature=1.0, top_p=0.9, eos_ids=(5,), **kwargs)
+  scheduler.generate(model, prompts, rng=jax.random.key(0), temperature=1.0, top_p=0.9, eos_ids=(5,), **kwargs)
   before = dict(engine.TRACE_COUNTS)
-  engine_scheduler.generate(model, prompts[::-1], rng=jax.random.key(1), temperature=0.6, top_p=0.5, eos_ids=(3, 4),
+  scheduler.generate(model, prompts[::-1], rng=jax.random.key(1), temperature=0.6, top_p=0.5, eos_ids=(3, 4),
                             pad_id=1, **kwargs)
-  engine_scheduler.generate(model, _group_prompts(seed=2), rng=jax.random.key(2), temperature=1.0, top_p=0.95,
+  scheduler.generate(model, _group_prompts(seed=2), rng=jax.random.key(2), temperature=1.0, top_p=0.95,
                             eos_ids=(9,), **kwargs)
   assert dict(engine.TRACE_COUNTS) == before
 
@@ -240,13 +240,13 @@ def test_sharded_engine_equals_single_device(model, small_segments):
   prompts = _group_prompts()
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(5), temperature=1.0, eos_ids=(5, 11), decode_slots=2,
                 chunk_steps=4)
-  single = engine_scheduler.generate(model, prompts, **kwargs)
+  single = scheduler.generate(model, prompts, **kwargs)
   graphdef, params = nnx.split(model)
   fsdp = parallel.make_mesh(data=1, fsdp=8)
   cases = [(parallel.make_mesh(data=2, fsdp=2, tensor=2), "replicated"), (fsdp, "replicated"), (fsdp, "training")]
   for mesh, weights in cases:
     sharded = nnx.merge(graphdef, jax.device_put(params, parallel.param_shardings(params, mesh)))
-    multi = engine_scheduler.generate(sharded, prompts, mesh=mesh, decode_weights=weights, **kwargs)
+    multi = scheduler.generate(sharded, prompts, mesh=mesh, decode_weights=weights, **kwargs)
     np.testing.assert_array_equal(multi.tokens, single.tokens, err_msg=f"{mesh.shape} {weights}")
     np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
 
@@ -295,21 +295,21 @@ def test_greedy_equals_transformers(tmp_path):
   ours, _ = load_pretrained(str(tmp_path))
   prompts = [[5, 17, 33, 2, 90], [41], [7, 7, 8, 60, 12, 3, 71, 1, 44]]
   new = 80  # 16 + 80 cache slots: two segments
-  out = engine_scheduler.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0,
+  out = scheduler.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0,
                                   decode_slots=1)
   np.testing.assert_array_equal(out.tokens, hf_greedy.greedy(hf, prompts, new))
 
 
 def test_invalid_arguments_name_themselves(model):
   with pytest.raises(ValueError, match="decode_slots=-1"):
-    engine_scheduler.generate(model, [[1]], max_new_tokens=2, rng=0, decode_slots=-1)
+    scheduler.generate(model, [[1]], max_new_tokens=2, rng=0, decode_slots=-1)
   with pytest.raises(ValueError, match="decode_chunk_steps=0"):
-    engine_scheduler.generate(model, [[1]], max_new_tokens=2, rng=0, chunk_steps=0)
+    scheduler.generate(model, [[1]], max_new_tokens=2, rng=0, chunk_steps=0)
   with pytest.raises(ValueError, match="prompt 1 is empty"):
-    engine_scheduler.generate(model, [[1], []], max_new_tokens=2, rng=0)
+    scheduler.generate(model, [[1], []], max_new_tokens=2, rng=0)
   with pytest.raises(ValueError, match="row_keys has 1 entries for 2 prompts"):
-    engine_scheduler.generate(model, [[1], [2]], max_new_tokens=2, rng=0, row_keys=[0])
+    scheduler.generate(model, [[1], [2]], max_new_tokens=2, rng=0, row_keys=[0])
   with pytest.raises(ValueError, match="engine='static' for use_cache=False"):
-    sampling.generate(model, [[1]], max_new_tokens=2, rng=0, engine="continuous", return_logits=True)
+    rollout.generate(model, [[1]], max_new_tokens=2, rng=0, engine="continuous", return_logits=True)
   with pytest.raises(ValueError, match="engine='paged'"):
-    sampling.generate(model, [[1]], max_new_tokens=2, rng=0, engine="paged")
+    rollout.generate(model, [[1]], max_new_tokens=2, rng=0, engine="paged")

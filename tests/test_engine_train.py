@@ -7,19 +7,20 @@ from flax import nnx
 
 from configs import grpo
 from jaxrlvr import config_lib
-from jaxrlvr import engine
-from jaxrlvr import engine_scheduler
-from jaxrlvr import sampling
+from jaxrlvr import rollout
+from jaxrlvr import run_setup
 from jaxrlvr import train
 from jaxrlvr.models import ModelConfig, Transformer
 from jaxrlvr.rewards import judge as judge_lib
+from jaxrlvr.rollout import engine
+from jaxrlvr.rollout import scheduler
 
 
 def test_three_rl_steps_of_the_embedded_default_compile_once(tmp_path, monkeypatch):
   """The embedded default (GRPO, the tiny model, 16 x 8 rows) with rollout.engine='continuous': each step's rollout
   goes through the engine, and the second and third steps' rollouts trace no engine function."""
   calls = []
-  real = engine_scheduler.generate
+  real = scheduler.generate
 
   def spy(model, prompts, **kwargs):
     before = sum(engine.TRACE_COUNTS.values())
@@ -28,10 +29,13 @@ def test_three_rl_steps_of_the_embedded_default_compile_once(tmp_path, monkeypat
                       traced=sum(engine.TRACE_COUNTS.values()) - before))
     return out
 
-  monkeypatch.setattr(engine_scheduler, "generate", spy)
+  monkeypatch.setattr(scheduler, "generate", spy)
   config = grpo.get_config()
   with config.unlocked():
     config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
+    # What compiles depends on the shapes (16 x 8 rows, the default's lengths), not on how far the warm start went:
+    # 20 steps instead of 1,200 give the same sampler calls for a fraction of the time.
+    config.warm_start.steps = 20
     config.total_steps = 3
     config.eval_every = 100  # evaluation at the start and the end only, of 16 questions
     config.data.eval_size = 16
@@ -50,27 +54,27 @@ def test_config_keys_reach_the_rollout_sampler_and_the_judge(monkeypatch):
     config.rollout.decode_chunk_steps = 5
     config.rollout.decode_weights = "training"
   expected = {"engine": "continuous", "decode_slots": 3, "decode_chunk_steps": 5, "decode_weights": "training"}
-  assert train.sampler_engine(config) == expected
+  assert run_setup.sampler_engine(config) == expected
   calls = []
-  real = sampling.generate
+  real = rollout.generate
 
   def spy(model, prompts, **kwargs):
-    calls.append({k: kwargs.get(k) for k in sampling.ENGINE_SETTINGS})
+    calls.append({k: kwargs.get(k) for k in rollout.ENGINE_SETTINGS})
     return real(model, prompts, **kwargs)
 
-  monkeypatch.setattr(sampling, "generate", spy)  # before the judge binds sampling.generate
+  monkeypatch.setattr(rollout, "generate", spy)  # before the judge binds rollout.generate
   tokenizer = types.SimpleNamespace(eos_token_id=1, pad_token_id=0, encode=lambda text, **_: types.SimpleNamespace(
       ids=[2 + ord(c) % 60 for c in text[:20]]), decode=lambda ids, **_: "score: 3")
   cfg = types.SimpleNamespace(kind="model", max_new_tokens=3, batch_size=2, get=lambda key, default: default)
   tiny = Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                  num_kv_heads=1, head_dim=16), rngs=nnx.Rngs(1))
   judge = judge_lib.judge_from_config(cfg, model=tiny, tokenizer=tokenizer,
-                                      sampler_limits={**train.sampler_limits(config), **train.sampler_engine(config)})
+                                      sampler_limits={**run_setup.sampler_limits(config), **run_setup.sampler_engine(config)})
   results = judge.score([judge_lib.JudgeRequest("q", "r", "a")])
   assert calls == [expected]
   assert len(results) == 1 and results[0].text == "score: 3"
   with pytest.raises(ValueError, match="engine='paged'"):
-    judge_lib.ModelJudge(tiny, tokenizer, engine="paged", generate_fn=sampling.generate)
+    judge_lib.ModelJudge(tiny, tokenizer, engine="paged", generate_fn=rollout.generate)
 
 
 @pytest.mark.parametrize("key,value,words", [("engine", "paged", "'static' or 'continuous'"),
@@ -124,7 +128,7 @@ def test_rewards_are_scored_while_the_engine_decodes():
     return np.asarray([len(c) for c in completions], np.float32), {"timeouts": 0}
 
   returned = []
-  real = engine_scheduler.generate
+  real = scheduler.generate
 
   def timed(*args, **kwargs):
     out = real(*args, **kwargs)
@@ -135,7 +139,7 @@ def test_rewards_are_scored_while_the_engine_decodes():
                                      pad_id=0, engine="continuous", decode_slots=8, decode_chunk_steps=4)
   requests = [replay.Request(qid=qid, n_samples=4) for qid in range(6)]
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(engine_scheduler, "generate", timed)
+    patch.setattr(scheduler, "generate", timed)
     groups, _ = rollout.sample_groups(lambda delay: model, requests, book, types.SimpleNamespace(score=score),
                                       settings, step=0, rng=jax.random.key(3))
   assert len(batches) > 2, batches

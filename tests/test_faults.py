@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import outputs
 from jaxrlvr.rewards import judge as judge_lib
 from jaxrlvr.rewards import math as math_lib
 from jaxrlvr.rewards.judge_prompts import JudgeRequest
@@ -59,7 +59,7 @@ def _start(workdir, *extra):
 def _rows(workdir):
   """Every row of metrics.jsonl without wall-clock fields, in order."""
   return [{k: v for k, v in row.items() if k != "time" and not k.startswith("time/")}
-          for row in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+          for row in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
 
 
 def _by_step(workdir):
@@ -80,7 +80,7 @@ def _wait_for(condition, proc, what):
 
 def _logged(workdir, step):
   path = os.path.join(workdir, "metrics.jsonl")
-  return lambda: os.path.exists(path) and any(r["step"] == step for r in metrics_lib.read_jsonl(path))
+  return lambda: os.path.exists(path) and any(r["step"] == step for r in outputs.read_jsonl(path))
 
 
 @pytest.fixture(scope="module")

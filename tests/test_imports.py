@@ -1,4 +1,5 @@
-"""No import cycles inside the package: every arrow between jaxrlvr modules runs one way.
+"""No import cycles inside the package: every arrow between jaxrlvr modules runs one way; and outside a family (a
+subpackage) its modules are reached through its face, the __init__.py.
 
 Imports inside functions count too: a lazy import that closes a cycle only hides it until the day the import order
 changes. The graph is read from the source (ast), so nothing is imported here.
@@ -23,7 +24,10 @@ def _modules() -> dict[str, str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-  modules = _modules()
+  return import_graph_of(_modules())
+
+
+def import_graph_of(modules: dict[str, str]) -> dict[str, set[str]]:
   graph = {m: set() for m in modules}
   for module, path in modules.items():
     with open(path, encoding="utf-8") as f:
@@ -79,3 +83,32 @@ def test_find_cycle_finds_one():
 def test_the_package_has_no_import_cycle():
   cycle = find_cycle(import_graph())
   assert cycle is None, " -> ".join(cycle)
+
+
+def private_imports(modules: dict[str, str] | None = None, graph: dict[str, set[str]] | None = None) -> list[str]:
+  """`importer -> module` for every import of a family's private module from outside the family. A family is a
+  subpackage of jaxrlvr (rollout, plan, compare, outputs, models, data, replay, rewards); its face is its
+  __init__.py, and its other modules are private to it: code elsewhere in the package goes through the face."""
+  modules = modules or _modules()
+  families = {m for m in modules if modules[m].endswith("__init__.py") and m != "jaxrlvr"}
+  graph = graph if graph is not None else import_graph_of(modules)
+  out = []
+  for importer, targets in graph.items():
+    for target in targets:
+      family = next((f for f in families if target.startswith(f + ".")), None)
+      if family and importer != family and not importer.startswith(family + "."):
+        out.append(f"{importer} -> {target}")
+  return sorted(out)
+
+
+def test_private_imports_are_found():
+  modules = {"jaxrlvr": "jaxrlvr/__init__.py", "jaxrlvr.fam": "x/fam/__init__.py", "jaxrlvr.fam.inner": "x/fam/inner.py",
+             "jaxrlvr.loop": "x/loop.py"}
+  graph = {"jaxrlvr": set(), "jaxrlvr.fam": {"jaxrlvr.fam.inner"}, "jaxrlvr.fam.inner": set(),
+           "jaxrlvr.loop": {"jaxrlvr.fam.inner", "jaxrlvr.fam"}}
+  assert private_imports(modules, graph) == ["jaxrlvr.loop -> jaxrlvr.fam.inner"]
+
+
+def test_modules_outside_a_family_import_only_its_face():
+  found = private_imports()
+  assert not found, "import the family's __init__ instead:\n" + "\n".join(found)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxrlvr import checkpointing
 from jaxrlvr import config_lib
-from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import outputs
 from jaxrlvr import parallel
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -238,7 +238,7 @@ def test_a_larger_total_steps_extends_a_finished_run_and_says_so(finished_copy):
   assert result.returncode == 0, result.stderr[-4000:]
   assert f"the run in {workdir} finished at step 1; total_steps=2 extends it from 1 to 2 steps" in result.stdout
   assert json.loads(_config_json(workdir))["total_steps"] == 2
-  assert max(row["step"] for row in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 2
+  assert max(row["step"] for row in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 2
 
 
 # ------------------------------------------------------------------------------------------------ The rules

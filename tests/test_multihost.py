@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import outputs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 600
@@ -73,7 +73,7 @@ def test_two_processes_agree_checkpoint_and_resume(tmp_path, warm_cache):
   for step in (1, 2):  # every value, timings included (host-side metrics are averaged over hosts)
     assert rows[0][step] == rows[1][step], step
   # metrics.jsonl is host 0's alone: step 0's evaluation, then the same rows the hosts logged.
-  logged = {r["step"]: r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))}
+  logged = {r["step"]: r for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))}
   assert sorted(logged) == [0, 1, 2]
   assert {k: v for k, v in logged[2].items() if k not in ("step", "time")} == rows[0][2]
   for key in ("rollout/solve_rate", "replay/phase", "replay/batch_rollouts", "loss/policy", "eval/accuracy"):
@@ -87,7 +87,7 @@ def test_two_processes_agree_checkpoint_and_resume(tmp_path, warm_cache):
   assert len(re.findall(r"resumed from \S+ at step 2$", second.stdout, re.M)) == 2  # one line per process
   rows = _host_rows(second.stdout)
   assert sorted(rows[0]) == sorted(rows[1]) == [3] and rows[0][3] == rows[1][3]
-  steps = [r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+  steps = [r["step"] for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
   assert steps == [0, 1, 2, 3]  # continued from the checkpoint: no second step-0 evaluation, no step redone
   assert _checkpoints(workdir) == [2, 3]
 
@@ -109,16 +109,16 @@ def test_phase_switch_follows_the_global_solve_rate():
 
 def test_batch_rows_are_per_host_rows_times_hosts():
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from jaxrlvr import config_lib, train  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import config_lib, run_setup  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict({"rollout": {"batch_size": 6, "group_size": 4}, "replay": {"name": "exgrpo"},
                                       "train": {"num_minibatches": 1, "num_microbatches": 2}})
   # One host, 8 batch shards: 6 x 4 = 24 rollouts, rounded up to a multiple of 2 x 8 = 16: 32.
-  assert train.batch_rows(config, 8) == 32
+  assert run_setup.batch_rows(config, 8) == 32
   # Two hosts: each has 3 x 4 = 12 rollouts, rounded up to a multiple of 2 x (8 / 2) = 8: 16; 2 x 16 = 32 in all.
-  assert train.batch_rows(config, 8, 2) == 32
+  assert run_setup.batch_rows(config, 8, 2) == 32
   # Three hosts cannot share 8 batch shards; four hosts cannot share 6 questions.
   with pytest.raises(config_lib.ConfigError, match="not a multiple of the 3 processes"):
-    train.batch_rows(config, 8, 3)
+    run_setup.batch_rows(config, 8, 3)
   with pytest.raises(config_lib.ConfigError, match=r"rollout.batch_size=6: must be divisible by the number of "
                                                    r"processes \(4\)"):
-    train.batch_rows(config, 8, 4)
+    run_setup.batch_rows(config, 8, 4)

@@ -19,10 +19,11 @@ from configs import exgrpo
 from jaxrlvr import config_lib
 from jaxrlvr import data
 from jaxrlvr import faults
-from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import models
+from jaxrlvr import outputs
 from jaxrlvr import parallel
 from jaxrlvr import rollout
+from jaxrlvr import run_setup
 from jaxrlvr import train
 from jaxrlvr import warm_start
 
@@ -62,7 +63,7 @@ def test_jsonl_trains_and_evaluates_on_its_own_held_out_rows(tmp_path, monkeypat
     config.total_steps = 2  # evals at steps 0 and 2
   assert config.data.worked_fraction == 0.4  # the tiny preset's synthetic setting needs no override here
   warm_started = []
-  monkeypatch.setattr(train.warm_start, "cached_warm_start",
+  monkeypatch.setattr(run_setup.warm_start, "cached_warm_start",
                       lambda model, *a, **k: warm_started.append(k["task"]) or model)
   workdir = str(tmp_path / "run")
   train.run(config, workdir)
@@ -71,7 +72,7 @@ def test_jsonl_trains_and_evaluates_on_its_own_held_out_rows(tmp_path, monkeypat
   train_rows, held_out = data.sources_from_config(config)
   assert (len(train_rows), len(held_out)) == (9, 1)
   assert {train_rows[q].question for q in range(9)} | {held_out[0].question} == {q for q, _ in QUESTIONS}
-  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  rows = outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   evals = [r for r in rows if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [0, 2]
   for row in evals:
@@ -85,14 +86,14 @@ def test_verl_parquet_with_chat_prompts(tmp_path, monkeypatch):
            "reward_model": {"ground_truth": a, "style": "rule"}} for q, a in QUESTIONS]
   path = str(tmp_path / "train.parquet")
   pq.write_table(pa.Table.from_pylist(rows), path)
-  monkeypatch.setattr(train.warm_start, "cached_warm_start", lambda *a, **k: pytest.fail("warm start ran"))
+  monkeypatch.setattr(run_setup.warm_start, "cached_warm_start", lambda *a, **k: pytest.fail("warm start ran"))
   config = _smoke_config(f"parquet:{path}", eval_fraction=0.2)
   with config.unlocked():
     config.total_steps = 2
     config.warm_start.embedded_fallback = False  # no solutions and no fallback: the warm start is skipped
   workdir = str(tmp_path / "run")
   train.run(config, workdir)
-  last = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
+  last = outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
   assert last["step"] == 2 and "eval/mine/accuracy" in last and "eval/accuracy" in last
 
 
@@ -138,7 +139,7 @@ def test_rows_without_solutions_learn_with_only_the_source_flag(tmp_path):
           f"jsonl:{path}; --config.warm_start.embedded_fallback=False skips this.") in result.stdout
   assert "warm start skipped" not in result.stderr
   assert f"data: evaluating on 6 held-out rows of jsonl:{path}" in result.stderr
-  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
+  rows = outputs.read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
   evals = [r for r in rows if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [0, 30] and evals[-1]["eval/accuracy"] > 0, evals
   assert "eval/q/accuracy" in rows[-1]  # the file's name is its rows' data_source
@@ -167,7 +168,7 @@ def test_a_model_that_solves_nothing_stops_after_its_first_steps(tmp_path):
       rf"jsonl:{re.escape(path)} to warm-start on, or the embedded task's warm start "
       r"\(--config.warm_start.embedded_fallback=True\); or go on anyway with --config.train.stop_if_unsolvable_steps=0",
       line), line
-  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
+  rows = outputs.read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
   assert rows[0]["step"] == 0 and rows[0]["eval/accuracy"] == 0 and rows[-1]["step"] == 5  # stopped in step 8
   assert not os.path.exists(os.path.join(tmp_path, "run", "hf"))  # no export: the run did not finish
 
@@ -260,7 +261,7 @@ def test_the_run_stops_on_a_long_prompt_before_building_the_model(tmp_path, monk
   rows = _qa_rows()
   rows[3]["question"] = "12345678+1234567"
   path = _write_jsonl(tmp_path / "q.jsonl", rows)
-  monkeypatch.setattr(train, "build_policy", lambda *a, **k: pytest.fail("the model was built"))
+  monkeypatch.setattr(run_setup, "build_policy", lambda *a, **k: pytest.fail("the model was built"))
   with pytest.raises(data.DataError, match=rf"^data.source jsonl:{path} line 4 \(row 3\): the prompt has 23 tokens, "
                                            r"but data.max_prompt_len is 16: raise --config.data.max_prompt_len to 23 "
                                            r"\(at most 230: the model's context of 256 less rollout.max_new_tokens"):
@@ -333,9 +334,9 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
     tmp_path, monkeypatch, tokenizer, caplog, capsys):
   solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
   calls = []
-  monkeypatch.setattr(train.warm_start, "cached_warm_start",
+  monkeypatch.setattr(run_setup.warm_start, "cached_warm_start",
                       lambda model, model_config, tok, pairs, **kwargs: calls.append((pairs, kwargs)) or model)
-  monkeypatch.setattr(train.models, "load_pretrained", lambda *a, **k: ("pretrained", None))
+  monkeypatch.setattr(run_setup.models, "load_pretrained", lambda *a, **k: ("pretrained", None))
   mesh = parallel.make_mesh(*config_lib.mesh_shape(exgrpo.get_config("smoke").mesh, jax.device_count()))
   with_solutions = _write_jsonl(tmp_path / "with.jsonl", _qa_rows(solution=solutions))
   without = _write_jsonl(tmp_path / "without.jsonl", _qa_rows())
@@ -344,7 +345,7 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
     train_rows, _ = data.sources_from_config(config)
     book = rollout.PromptBook(train_rows, tokenizer, template="plain", max_prompt_len=config.data.max_prompt_len)
     with caplog.at_level("INFO"):
-      train.build_policy(config, mesh, book)
+      run_setup.build_policy(config, mesh, book)
     return book
 
   # A solution field: the warm start imitates it.
@@ -368,7 +369,7 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
   build(default)
   fallback = calls.pop()
   assert fallback[1]["task"] == warm_start.EMBEDDED_TASK and fallback == reference
-  key = lambda pairs, kw: train.warm_start.cache_key(
+  key = lambda pairs, kw: run_setup.warm_start.cache_key(
       models.get_preset("tiny"), tokenizer, pairs, **{k: kw[k] for k in ("task", "steps", "lr", "batch_size", "seed")})
   assert key(*fallback) == key(*reference)
   assert capsys.readouterr().out == (

@@ -16,10 +16,10 @@ from configs import advantage_priority, exgrpo, grpo
 from jaxrlvr import config_lib
 from jaxrlvr import parallel
 from jaxrlvr import plan
-from jaxrlvr import train
-from jaxrlvr import sampling_batches
+from jaxrlvr import run_setup
 from jaxrlvr.models import get_preset
 from jaxrlvr.replay.storage import RolloutStore
+from jaxrlvr.rollout import bounded
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _7B = "model=qwen2.5-math-7b"
@@ -104,7 +104,7 @@ def test_sampler_bounds_mirror_the_sampler():
   for max_rows in (0, 32, 48, 200):
     _with(config, rollout__max_rows_per_device=max_rows)
     w = plan.workload(config, (1, 8, 1))
-    calls = sampling_batches.plan_calls([[1]] * 1024, pad_id=0, vocab_size=None, mesh=mesh, pad_batch_to=1,
+    calls = bounded.plan_calls([[1]] * 1024, pad_id=0, vocab_size=None, mesh=mesh, pad_batch_to=1,
                                         max_rows_per_device=max_rows)
     assert (w.rollout_rows * 8, w.sampler_calls) == (calls.rows, calls.count), max_rows
   # A KV cache scales with the call's rows; the prefill transient with its block, not with the call.
@@ -125,20 +125,20 @@ def test_the_kv_cache_budget_is_resolved_with_the_overrides(model, rows):
   slot_bytes = layers * 2 * kv_heads * 128 * 2  # (k, v) x head_dim 128 x bf16
   # The largest power of two whose cache (rows x 9216 slots) fits 30 GB; the next power of two would not.
   assert rows * 9216 * slot_bytes <= 30e9 < 2 * rows * 9216 * slot_bytes
-  assert train.sampler_limits(config)["max_rows_per_device"] == rows
+  assert run_setup.sampler_limits(config)["max_rows_per_device"] == rows
   assert plan.workload(config, (1, 8, 1)).rollout_rows == rows
   # Longer answers on the command line: fewer rows a call, the same budget (a precomputed row count would have
   # kept 32 rows and doubled the cache).
   _with(config, rollout__max_new_tokens=16384)
-  assert train.sampler_limits(config)["max_rows_per_device"] == rows // 2
+  assert run_setup.sampler_limits(config)["max_rows_per_device"] == rows // 2
   memory = plan.plan_memory(config, (1, 8, 1))
   assert memory["kv_cache"] == rows // 2 * (1024 + 16384) * slot_bytes <= 30e9
   # A row count set by hand wins; a budget that holds no row is one line naming the key.
   _with(config, rollout__max_rows_per_device=48)
-  assert train.sampler_limits(config)["max_rows_per_device"] == 48
+  assert run_setup.sampler_limits(config)["max_rows_per_device"] == 48
   _with(config, rollout__max_rows_per_device=0, rollout__kv_cache_gb=0.1)
   with pytest.raises(config_lib.ConfigError, match=r"rollout.kv_cache_gb=0.1: holds no row; one row's KV cache"):
-    train.sampler_limits(config)
+    run_setup.sampler_limits(config)
 
 
 def test_specs_from_an_abstract_mesh_equal_those_of_real_devices():
@@ -231,11 +231,11 @@ def test_replay_buffer_estimate():
   assert ap["replay_trajectories"] == min(30_000, 10 * 128 * 8)  # tau_max x B x K = 10,240 < capacity
 
 
-def test_batch_rows_mirror_the_trainer():
-  from jaxrlvr import train  # pylint: disable=g-import-not-at-top  (slow import; only here)
+def test_the_plan_has_the_rows_of_the_run():
   for config in (exgrpo.get_config(_7B), advantage_priority.get_config(), grpo.get_config("smoke")):
-    for shards in (1, 8):
-      assert plan.batch_rows(config, shards) == train.batch_rows(config, shards)
+    for mesh_shape in ((1, 1, 1), (1, 8, 1), (2, 4, 1)):
+      shards = mesh_shape[0] * mesh_shape[1]
+      assert plan.workload(config, mesh_shape, backend="cpu").rows == run_setup.batch_rows(config, shards)
 
 
 def test_parse_mesh_names_the_flag():

@@ -1,12 +1,12 @@
 """The planner against XLA: the four device phases of a paper-scale step compiled with abstract 7B-wide inputs.
 
 The trainer's own jitted functions (update, scoring pass, a sampler call's prefill and decode, and the rollout
-engine's insert and decode chunk from its decode copy of the weights; `jaxrlvr/plan_xla.py`) are lowered with
+engine's insert and decode chunk from its decode copy of the weights; `jaxrlvr/plan/xla.py`) are lowered with
 ShapeDtypeStructs sharded over fsdp=8 on 8 CPU devices and compiled, never run, for the
 qwen2.5-math-7b preset cut to 1, 2 and 3 layers at the paper's lengths (1024 + 8192 tokens, 1024 rollouts, the
 shipped sampler bounds). Compute is float32: XLA:CPU computes bfloat16 dots in float32 and keeps float32 copies an
-accelerator would not. The compile runs in a subprocess because XLA:CPU reads `plan_memory.CPU_MEMORY_FLAGS` only
-when its client starts (plan.py's docstring says why they are needed). About a minute on 2 cores.
+accelerator would not. The compile runs in a subprocess because XLA:CPU reads `plan.CPU_MEMORY_FLAGS` only
+when its client starts (plan/report.py's docstring says why they are needed). About a minute on 2 cores.
 """
 import json
 import os
@@ -17,7 +17,7 @@ import pytest
 
 from configs import exgrpo
 from jaxrlvr import plan
-from jaxrlvr import plan_memory
+from jaxrlvr import run_setup
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAYERS = (1, 2, 3)
@@ -26,19 +26,20 @@ _TOLERANCE = 0.2
 _SCRIPT = """
 import json, sys
 from configs import exgrpo
-from jaxrlvr import parallel, plan_memory, plan_xla
+from jaxrlvr import parallel, run_setup
+from jaxrlvr.plan import xla as plan_xla
 config = exgrpo.get_config("model=qwen2.5-math-7b")
 config.unlock()
-config.rollout.max_rows_per_device = plan_memory.rows_per_sampler_call(config)
+config.rollout.max_rows_per_device = run_setup.rows_per_sampler_call(config)
 config.model.compute_dtype = "float32"
 mesh = parallel.make_mesh(1, 8, 1)
 out = {}
 for layers in %r:
-  model = plan_memory.model_config(config).replace(num_layers=layers)
+  model = run_setup.model_config(config).replace(num_layers=layers)
   out[layers] = {phase: m.total for phase, m in plan_xla.compile_phases(config, mesh, model).items()}
 config.rollout.engine = "continuous"  # the rollout engine's insert and decode chunk, from the decode copy
 for layers in %r:
-  model = plan_memory.model_config(config).replace(num_layers=layers)
+  model = run_setup.model_config(config).replace(num_layers=layers)
   phases = plan_xla.compile_phases(config, mesh, model, phases=%r)
   out[layers].update({"engine_" + phase: m.total for phase, m in phases.items()})
 print("RESULT " + json.dumps(out))
@@ -51,7 +52,7 @@ def _config():
   config.unlock()
   # The rows a call holds in a bfloat16 run (the KV cache budget's 32), kept at float32 compute: in float32 the
   # same budget would hold 16.
-  config.rollout.max_rows_per_device = plan_memory.rows_per_sampler_call(config)
+  config.rollout.max_rows_per_device = run_setup.rows_per_sampler_call(config)
   config.model.compute_dtype = "float32"
   return config
 
@@ -59,7 +60,7 @@ def _config():
 @pytest.fixture(scope="module")
 def measured():
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {plan_memory.CPU_MEMORY_FLAGS}"}
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {plan.CPU_MEMORY_FLAGS}"}
   script = _SCRIPT % (_LAYERS, _LAYERS, _ENGINE_PHASES)
   result = subprocess.run([sys.executable, "-c", script], cwd=_ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
@@ -71,7 +72,7 @@ def measured():
 @pytest.fixture(scope="module")
 def planned():
   config = _config()
-  base = plan_memory.model_config(config)
+  base = run_setup.model_config(config)
   out = {layers: plan.plan_memory(config, (1, 8, 1), backend="cpu", model=base.replace(num_layers=layers))
          for layers in _LAYERS}
   config.rollout.engine = "continuous"
@@ -81,7 +82,7 @@ def planned():
   return out
 
 
-_ALL_PHASES = (*plan_memory.PHASE_FUNCTIONS, *("engine_" + phase for phase in _ENGINE_PHASES))
+_ALL_PHASES = (*plan.PHASE_FUNCTIONS, *("engine_" + phase for phase in _ENGINE_PHASES))
 
 
 def test_the_shipped_bounds_are_what_is_compiled():

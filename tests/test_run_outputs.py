@@ -14,9 +14,9 @@ from matplotlib import image as mpimg
 
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import logs
-from jaxrlvr import metrics as metrics_lib
-from jaxrlvr import plots
+from jaxrlvr import outputs
 from jaxrlvr.data.sources import Example
+from jaxrlvr.outputs import summary as run_summary_lib
 from jaxrlvr.rewards import math_reward
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +41,13 @@ def smoke_run(tmp_path_factory):
 
 
 def _eval_steps(workdir):
-  return sorted(r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  return sorted(r["step"] for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
                 if "eval/accuracy" in r)
 
 
 def test_summary_png_is_drawn(smoke_run):
   workdir, _ = smoke_run
-  path = os.path.join(workdir, metrics_lib.SUMMARY_FILE)
+  path = os.path.join(workdir, outputs.SUMMARY_FILE)
   with open(path, "rb") as f:
     assert f.read(8) == _PNG_SIGNATURE
   pixels = mpimg.imread(path)  # [height, width, RGBA]
@@ -58,7 +58,7 @@ def test_summary_png_is_drawn(smoke_run):
 
 def test_samples_jsonl_has_greedy_answers_at_every_eval(smoke_run):
   workdir, _ = smoke_run
-  rows = metrics_lib.read_jsonl(os.path.join(workdir, metrics_lib.SAMPLES_FILE))
+  rows = outputs.read_jsonl(os.path.join(workdir, outputs.SAMPLES_FILE))
   with open(os.path.join(workdir, "config.json")) as f:
     num_samples = json.load(f)["eval"]["num_samples"]
   assert num_samples > 0
@@ -85,10 +85,10 @@ def test_stderr_is_quiet_and_the_bar_whole(smoke_run):
   # What is left is jaxrlvr's own: the warm start (one line when its cache is reused, four when it trains), the
   # parameter count, one line per evaluation and the export of the final policy.
   sources = [m.group(1) for m in _LOG_PREFIX.finditer(stderr)]
-  ours = set(os.listdir(os.path.join(_REPO, "jaxrlvr")))
+  ours = {name for _, _, files in os.walk(os.path.join(_REPO, "jaxrlvr")) for name in files}
   assert sources and set(sources) <= ours, sources
   evals = len(_eval_steps(workdir))
-  assert [s for s in sources if s != "warm_start.py"] == ["train.py"] + ["metrics.py"] * evals + ["export.py"]
+  assert [s for s in sources if s != "warm_start.py"] == ["train.py"] + ["writer.py"] * evals + ["export.py"]
   assert 1 <= sources.count("warm_start.py") <= 4
   assert len(re.findall(r"\] step \d+: held-out accuracy", stderr)) == evals
   # Every log line starts a line of the terminal: the bar is cleared (a carriage return) before one is written, so
@@ -165,27 +165,27 @@ def test_run_summary_draws_replay_and_sources(tmp_path):
       row.update({"eval/accuracy": step / 100, "eval/level1/accuracy": step / 80, "eval/level2/accuracy": step / 120,
                   "eval/response_length": 15.0})
     rows[step] = row
-  path = plots.run_summary(rows, str(tmp_path / "summary.png"), title="exgrpo: test", total_steps=100)
+  path = run_summary_lib.run_summary(rows, str(tmp_path / "summary.png"), title="exgrpo: test", total_steps=100)
   assert mpimg.imread(path).shape[:2] == (750, 1100)
-  only_eval = plots.run_summary({0: {"step": 0, "eval/accuracy": 0.2}}, str(tmp_path / "start.png"), title="t")
+  only_eval = run_summary_lib.run_summary({0: {"step": 0, "eval/accuracy": 0.2}}, str(tmp_path / "start.png"), title="t")
   assert os.path.getsize(only_eval) > 0  # the step-0 evaluation alone, before any training step, draws too
 
 
 def test_writer_redraws_the_summary_from_every_row_a_resumed_run_included(tmp_path, monkeypatch):
   drawn = []
-  monkeypatch.setattr(plots, "run_summary", lambda rows, path, **kw: drawn.append((sorted(rows), kw)) or
+  monkeypatch.setattr(run_summary_lib, "run_summary", lambda rows, path, **kw: drawn.append((sorted(rows), kw)) or
                       open(path, "wb").close())
-  writer = metrics_lib.MetricWriter(str(tmp_path), total_steps=4, show_progress=False, summary_title="grpo: run")
+  writer = outputs.MetricWriter(str(tmp_path), total_steps=4, show_progress=False, summary_title="grpo: run")
   writer.write(0, {"eval/accuracy": 0.1})
   writer.write(1, {"rollout/solve_rate": 0.5})
   writer.write_samples(1, [{"prompt": "p", "completion": "c", "reward": 1.0}])
   writer.close()
-  resumed = metrics_lib.MetricWriter(str(tmp_path), total_steps=4, initial_step=1, show_progress=False,
-                                     summary_title="grpo: run")
+  resumed = outputs.MetricWriter(str(tmp_path), total_steps=4, initial_step=1, show_progress=False,
+                                 summary_title="grpo: run")
   resumed.write(2, {"rollout/solve_rate": 0.6, "eval/accuracy": 0.3})
   resumed.close()
   settings = {"title": "grpo: run", "total_steps": 4}
   assert drawn == [([0], settings), ([0, 1, 2], settings)]
   assert os.path.exists(tmp_path / "summary.png")
-  assert metrics_lib.read_jsonl(str(tmp_path / "samples.jsonl")) == [
+  assert outputs.read_jsonl(str(tmp_path / "samples.jsonl")) == [
       {"step": 1, "prompt": "p", "completion": "c", "reward": 1.0}]

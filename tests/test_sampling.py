@@ -9,9 +9,10 @@ from flax import nnx
 
 import hf_greedy
 import two_processes
-from jaxrlvr import sampling
+from jaxrlvr import rollout
 from jaxrlvr import scoring
 from jaxrlvr.models import ModelConfig, Transformer
+from jaxrlvr.rollout import sampler
 
 # A 2-layer model with a larger init than HF's 0.02, so next-token distributions are peaked and greedy has no ties.
 _CONFIG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -27,7 +28,7 @@ def model():
 
 def _left_padded(prompts, completions, lengths):
   """[B, bucket + N] ids and mask of prompt + completion, as the sampler laid them out (pad 0)."""
-  width = sampling.bucket_length(max(len(p) for p in prompts))
+  width = rollout.bucket_length(max(len(p) for p in prompts))
   n = completions.shape[1]
   ids = np.zeros((len(prompts), width + n), np.int32)
   mask = np.zeros_like(ids)
@@ -40,17 +41,17 @@ def _left_padded(prompts, completions, lengths):
 
 def test_bucket_length():
   # powers of two from 16 to 512, then multiples of 512
-  assert [sampling.bucket_length(n) for n in (1, 16, 17, 33, 300, 512, 513, 1025)] == [
+  assert [rollout.bucket_length(n) for n in (1, 16, 17, 33, 300, 512, 513, 1025)] == [
       16, 16, 32, 64, 512, 512, 1024, 1536]
-  with pytest.raises(ValueError, match="sampling.py"):
-    sampling.bucket_length(0)
+  with pytest.raises(ValueError, match="rollout/sampler.py"):
+    rollout.bucket_length(0)
 
 
 def test_cached_decode_equals_recompute_greedy(model):
   """Greedy: the cache gives the logits of recomputing the whole prefix each step (1e-5) and the same tokens."""
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0, return_logits=True)
-  cached = sampling.generate(model, _PROMPTS, **kwargs)
-  full = sampling.generate(model, _PROMPTS, use_cache=False, **kwargs)
+  cached = rollout.generate(model, _PROMPTS, **kwargs)
+  full = rollout.generate(model, _PROMPTS, use_cache=False, **kwargs)
   assert cached.tokens.shape == (4, _NEW) and cached.logits.shape == (4, _NEW, 64)
   np.testing.assert_allclose(cached.logits, full.logits, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(cached.tokens, full.tokens)
@@ -68,8 +69,8 @@ def test_cached_decode_equals_recompute_greedy(model):
 def test_cached_decode_equals_recompute_sampled(model):
   """At temperature 1 the same key draws the same tokens with and without the cache."""
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(7), temperature=1.0)
-  cached = sampling.generate(model, _PROMPTS, **kwargs)
-  full = sampling.generate(model, _PROMPTS, use_cache=False, **kwargs)
+  cached = rollout.generate(model, _PROMPTS, **kwargs)
+  full = rollout.generate(model, _PROMPTS, use_cache=False, **kwargs)
   np.testing.assert_array_equal(cached.tokens, full.tokens)
   np.testing.assert_allclose(cached.logprobs, full.logprobs, atol=1e-5)
   np.testing.assert_allclose(cached.entropies, full.entropies, atol=1e-5)
@@ -78,8 +79,8 @@ def test_cached_decode_equals_recompute_sampled(model):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_generate_logprobs_equal_score(model, temperature):
   """Replay ratios need the sampler's log-probs to be exactly the teacher-forced ones (1e-5), entropies too."""
-  out = sampling.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(3), temperature=temperature,
-                          eos_ids=(5, 11), pad_id=0)
+  out = rollout.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(3), temperature=temperature,
+                         eos_ids=(5, 11), pad_id=0)
   ids, mask, width = _left_padded(_PROMPTS, out.tokens, out.lengths)
   logp, ent = scoring.score_jit(model, ids, mask, temperature=temperature, chunk_size=4)
   np.testing.assert_allclose(np.asarray(logp)[:, width:], out.logprobs, atol=1e-5, rtol=0)
@@ -90,11 +91,11 @@ def test_generate_logprobs_equal_score(model, temperature):
 
 def test_stop_tokens_pad_and_lengths(model):
   """Several stop ids: the row ends at the first one (included), then pad with 0 log-prob and entropy."""
-  free = sampling.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0)
+  free = rollout.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0)
   # Stop ids: the token each of rows 0 and 2 emits at step 2 (so those rows stop after 3 tokens or earlier).
   eos = (int(free.tokens[0, 2]), int(free.tokens[2, 2]))
-  out = sampling.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0,
-                          eos_ids=eos, pad_id=63)
+  out = rollout.generate(model, _PROMPTS, max_new_tokens=_NEW, rng=jax.random.key(0), temperature=0.0,
+                         eos_ids=eos, pad_id=63)
   for row in range(len(_PROMPTS)):
     hits = [t for t in range(_NEW) if free.tokens[row, t] in eos]
     expected = hits[0] + 1 if hits else _NEW
@@ -109,13 +110,13 @@ def test_stop_tokens_pad_and_lengths(model):
 def test_no_recompilation_within_a_bucket(model):
   """Prompts of lengths 5 and 11 both pad to 16: prefill and decode trace once for both batches, also when the
   temperature, top_p value, stop ids and pad id change (they are traced, not static)."""
-  before = dict(sampling.TRACE_COUNTS)
+  before = dict(sampler.TRACE_COUNTS)
   kwargs = dict(max_new_tokens=3, top_k=5)  # a spec no other test uses, so the first call must trace
-  sampling.generate(model, [[1, 2, 3, 4, 5], [6, 7]], rng=jax.random.key(0), temperature=1.0, top_p=0.9, **kwargs)
-  after_first = dict(sampling.TRACE_COUNTS)
-  sampling.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), temperature=0.6, top_p=0.5,
-                    eos_ids=(3, 4), pad_id=1, **kwargs)
-  after_second = dict(sampling.TRACE_COUNTS)
+  rollout.generate(model, [[1, 2, 3, 4, 5], [6, 7]], rng=jax.random.key(0), temperature=1.0, top_p=0.9, **kwargs)
+  after_first = dict(sampler.TRACE_COUNTS)
+  rollout.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), temperature=0.6, top_p=0.5,
+                   eos_ids=(3, 4), pad_id=1, **kwargs)
+  after_second = dict(sampler.TRACE_COUNTS)
   for name in ("prefill", "decode"):
     assert after_first[name] - before.get(name, 0) == 1, name
     assert after_second[name] == after_first[name], name
@@ -123,11 +124,11 @@ def test_no_recompilation_within_a_bucket(model):
 
 def test_invalid_arguments(model):
   with pytest.raises(ValueError, match="empty"):
-    sampling.generate(model, [[1], []], max_new_tokens=2, rng=jax.random.key(0))
+    rollout.generate(model, [[1], []], max_new_tokens=2, rng=jax.random.key(0))
   with pytest.raises(ValueError, match="top_p"):
-    sampling.generate(model, [[1]], max_new_tokens=2, rng=jax.random.key(0), top_p=0.0)
+    rollout.generate(model, [[1]], max_new_tokens=2, rng=jax.random.key(0), top_p=0.0)
   with pytest.raises(ValueError, match="vocab_size=64"):
-    sampling.generate(model, [[1, 64]], max_new_tokens=2, rng=jax.random.key(0))
+    rollout.generate(model, [[1, 64]], max_new_tokens=2, rng=jax.random.key(0))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -167,8 +168,8 @@ def _target(temperature, top_k, top_p):
 ])
 def test_sample_logits_matches_target(temperature, top_k, top_p, support):
   keys = jax.random.split(jax.random.key(1234), _DRAWS)
-  draw = jax.jit(jax.vmap(lambda k: sampling.sample_logits(jnp.asarray(_LOGITS), k, temperature=temperature,
-                                                           top_k=top_k, top_p=top_p)))
+  draw = jax.jit(jax.vmap(lambda k: rollout.sample_logits(jnp.asarray(_LOGITS), k, temperature=temperature,
+                                                          top_k=top_k, top_p=top_p)))
   tokens, logprobs, entropies = jax.device_get(draw(keys))
   target = _target(temperature, top_k, top_p)
   assert int(np.sum(target > 0)) == support
@@ -184,8 +185,8 @@ def test_sample_logits_matches_target(temperature, top_k, top_p, support):
 
 
 def test_sample_logits_greedy():
-  tokens, logprobs, entropies = sampling.sample_logits(jnp.asarray(_LOGITS)[None], jax.random.key(0),
-                                                       temperature=0.0)
+  tokens, logprobs, entropies = rollout.sample_logits(jnp.asarray(_LOGITS)[None], jax.random.key(0),
+                                                      temperature=0.0)
   p = np.exp(_LOGITS - _LOGITS.max())
   p /= p.sum()
   assert int(tokens[0]) == 0
@@ -206,8 +207,8 @@ def test_sharded_generate_equals_single_device(model):
   sharded = nnx.merge(graphdef, jax.device_put(state, parallel.param_shardings(state, mesh)))
   prompts = _PROMPTS + [[60, 61, 62]]
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(5), temperature=0.0)
-  single = sampling.generate(model, prompts, **kwargs)
-  multi = sampling.generate(sharded, prompts, mesh=mesh, **kwargs)
+  single = rollout.generate(model, prompts, **kwargs)
+  multi = rollout.generate(sharded, prompts, mesh=mesh, **kwargs)
   np.testing.assert_array_equal(multi.tokens, single.tokens)
   np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
   np.testing.assert_allclose(multi.entropies, single.entropies, atol=1e-5)
@@ -225,12 +226,12 @@ def test_greedy_equals_transformers(kind, tmp_path):
   prompts = [[5, 17, 33, 2, 90], [41], [7, 7, 8, 60, 12, 3, 71, 1, 44]]
   new = 8
   expected = hf_greedy.greedy(hf, prompts, new)
-  out = sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0)
+  out = rollout.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0)
   np.testing.assert_array_equal(out.tokens, expected)
   # With a stop id (the token row 0 emits at step 3), transformers pads after it just as we do.
   eos = int(expected[0, 3])
   stopped = hf_greedy.greedy(hf, prompts, new, eos=eos)
-  out = sampling.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0, eos_ids=(eos,))
+  out = rollout.generate(ours, prompts, max_new_tokens=new, rng=jax.random.key(0), temperature=0.0, eos_ids=(eos,))
   assert out.lengths[0] <= 4
   np.testing.assert_array_equal(out.tokens[:, :stopped.shape[1]], stopped)
   assert np.all(out.tokens[:, stopped.shape[1]:] == 0)
@@ -244,7 +245,7 @@ def test_two_processes_each_get_their_own_rows(model, tmp_path):
   single process sampling the same global layout (same key, row keys by global row) gives the same tokens."""
   prompts = [[[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [10]], [[20, 21], [30, 31, 32]]]
   got = two_processes.sample_in_two_processes(tmp_path, _CONFIG, prompts, max_new_tokens=5, temperature=1.0)
-  expected = sampling.generate(model, prompts[0] + [[0]] + prompts[1], max_new_tokens=5, rng=jax.random.key(0),
-                               temperature=1.0).tokens
+  expected = rollout.generate(model, prompts[0] + [[0]] + prompts[1], max_new_tokens=5, rng=jax.random.key(0),
+                              temperature=1.0).tokens
   np.testing.assert_array_equal(np.asarray(got[0]), expected[:3])
   np.testing.assert_array_equal(np.asarray(got[1]), expected[4:])

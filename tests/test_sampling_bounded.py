@@ -14,11 +14,12 @@ from jaxrlvr import config_lib
 from jaxrlvr import parallel
 from jaxrlvr import replay
 from jaxrlvr import rollout
-from jaxrlvr import sampling
-from jaxrlvr import sampling_batches
+from jaxrlvr import run_setup
 from jaxrlvr import train
 from jaxrlvr.models import ModelConfig, Transformer
 from jaxrlvr.rewards import judge as judge_lib
+from jaxrlvr.rollout import bounded
+from jaxrlvr.rollout import sampler
 
 # The model of tests/test_sampling.py: peaked next-token distributions, so greedy has no ties.
 _CONFIG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -58,7 +59,7 @@ def _assert_same(out, reference):
 
 
 def test_plan_calls_cuts_the_prompts_into_calls_of_one_shape(two_device_mesh):
-  plan = lambda mesh, rows: sampling_batches.plan_calls(_PROMPTS, pad_id=0, vocab_size=64, mesh=mesh, pad_batch_to=1,
+  plan = lambda mesh, rows: bounded.plan_calls(_PROMPTS, pad_id=0, vocab_size=64, mesh=mesh, pad_batch_to=1,
                                                         max_rows_per_device=rows)
   calls = plan(None, 3)  # 7 prompts -> calls of 3, 3 and 1 + 2 padding rows
   assert (calls.count, calls.rows, calls.batch) == (3, 3, 7) and calls.ids.shape == (9, 16)
@@ -76,37 +77,37 @@ def test_plan_calls_cuts_the_prompts_into_calls_of_one_shape(two_device_mesh):
 @pytest.mark.parametrize("max_rows", [1, 3])
 def test_split_calls_give_the_unsplit_samples(model, temperature, max_rows):
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(11), temperature=temperature, eos_ids=_EOS)
-  reference = sampling.generate(model, _PROMPTS, **kwargs)
+  reference = rollout.generate(model, _PROMPTS, **kwargs)
   assert len(set(reference.lengths.tolist())) > 1  # the stop ids end rows at different steps
-  _assert_same(sampling.generate(model, _PROMPTS, max_rows_per_device=max_rows, **kwargs), reference)
+  _assert_same(rollout.generate(model, _PROMPTS, max_rows_per_device=max_rows, **kwargs), reference)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_split_calls_on_a_two_device_mesh_give_the_unsplit_samples(model, two_device_mesh, temperature):
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(12), temperature=temperature, eos_ids=_EOS)
-  reference = sampling.generate(model, _PROMPTS, **kwargs)  # one device, one call
+  reference = rollout.generate(model, _PROMPTS, **kwargs)  # one device, one call
   sharded = _on_mesh(model, two_device_mesh)
   for max_rows in (0, 1, 3):
-    _assert_same(sampling.generate(sharded, _PROMPTS, mesh=two_device_mesh, max_rows_per_device=max_rows, **kwargs),
+    _assert_same(rollout.generate(sharded, _PROMPTS, mesh=two_device_mesh, max_rows_per_device=max_rows, **kwargs),
                  reference)
 
 
 def test_split_calls_compile_once_and_run_at_the_bounded_shape(model, monkeypatch):
   """5 prompts at 2 rows a call: three calls (the last with one prompt), all of shape [2, 16], one trace each."""
   shapes = []
-  compiled = sampling._compiled
+  compiled = sampler._compiled
 
   def spying(spec):
     prefill, decode, uncached = compiled(spec)
     return (lambda params, ids, *rest: (shapes.append(ids.shape), prefill(params, ids, *rest))[1]), decode, uncached
 
-  monkeypatch.setattr(sampling, "_compiled", spying)
-  before = dict(sampling.TRACE_COUNTS)
+  monkeypatch.setattr(sampler, "_compiled", spying)
+  before = dict(sampler.TRACE_COUNTS)
   kwargs = dict(max_new_tokens=4, rng=jax.random.key(0), temperature=1.0, top_k=7)  # a spec no other test uses
-  out = sampling.generate(model, _PROMPTS[:5], max_rows_per_device=2, **kwargs)
+  out = rollout.generate(model, _PROMPTS[:5], max_rows_per_device=2, **kwargs)
   assert shapes == [(2, 16)] * 3 and out.tokens.shape == (5, 4)
   for name in ("prefill", "decode"):
-    assert sampling.TRACE_COUNTS[name] - before.get(name, 0) == 1, name
+    assert sampler.TRACE_COUNTS[name] - before.get(name, 0) == 1, name
 
 
 @pytest.mark.parametrize("rows,tokens", [(1, 0), (2, 0), (0, 4), (0, 8), (2, 4), (3, 5)])
@@ -116,8 +117,8 @@ def test_chunked_prefill_gives_the_unchunked_samples(model, rows, tokens):
   are all greedy decoding reads)."""
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(13), temperature=1.0, eos_ids=_EOS, return_logits=True)
   prompts = _PROMPTS[:4]  # 4 rows: blocks of 3 overlap
-  reference = sampling.generate(model, prompts, **kwargs)
-  out = sampling.generate(model, prompts, prefill_rows_per_device=rows, prefill_chunk_tokens=tokens, **kwargs)
+  reference = rollout.generate(model, prompts, **kwargs)
+  out = rollout.generate(model, prompts, prefill_rows_per_device=rows, prefill_chunk_tokens=tokens, **kwargs)
   _assert_same(out, reference)
   # Raw logits near 0 carry the rounding of the sums they come from: 1e-5, as tests/test_sampling.py holds the cache.
   np.testing.assert_allclose(out.logits, reference.logits, atol=1e-5, rtol=0)
@@ -127,9 +128,9 @@ def test_chunked_prefill_on_a_sharded_mesh(model):
   """Batch over data x fsdp = 2 x 2, KV heads over tensor = 2: blocks take one row of every device."""
   mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
   kwargs = dict(max_new_tokens=_NEW, rng=jax.random.key(14), temperature=1.0, eos_ids=_EOS)
-  reference = sampling.generate(model, _PROMPTS, **kwargs)
-  out = sampling.generate(_on_mesh(model, mesh), _PROMPTS, mesh=mesh, max_rows_per_device=2,
-                          prefill_rows_per_device=1, prefill_chunk_tokens=4, **kwargs)
+  reference = rollout.generate(model, _PROMPTS, **kwargs)
+  out = rollout.generate(_on_mesh(model, mesh), _PROMPTS, mesh=mesh, max_rows_per_device=2,
+                         prefill_rows_per_device=1, prefill_chunk_tokens=4, **kwargs)
   _assert_same(out, reference)
 
 
@@ -138,13 +139,13 @@ def test_chunked_prefill_bounds_its_temporary_memory(model):
   memory than the whole [8, 64] batch at once (the cache, an output, is the same)."""
   ids = jax.ShapeDtypeStruct((8, 64), jnp.int32)
   rows = jax.ShapeDtypeStruct((8,), jnp.int32)
-  controls = (jax.random.key(0), *(jnp.asarray(x) for x in (sampling_batches.stop_array(()), 0, 1.0, 1.0)))
+  controls = (jax.random.key(0), *(jnp.asarray(x) for x in (bounded.stop_array(()), 0, 1.0, 1.0)))
   graphdef, params = nnx.split(model)
 
   def memory(prefill_rows, prefill_tokens):
-    spec = sampling._Spec(graphdef=graphdef, max_new_tokens=8, greedy=False, top_k=0, nucleus=False,
-                          return_logits=False, mesh=None, prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
-    prefill = sampling._compiled(spec)[0]
+    spec = sampler._Spec(graphdef=graphdef, max_new_tokens=8, greedy=False, top_k=0, nucleus=False,
+                         return_logits=False, mesh=None, prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
+    prefill = sampler._compiled(spec)[0]
     stats = prefill.lower(params, ids, ids, jax.ShapeDtypeStruct((8,), bool), rows, controls).compile()
     return stats.memory_analysis()
 
@@ -154,11 +155,11 @@ def test_chunked_prefill_bounds_its_temporary_memory(model):
                                                                      whole.temp_size_in_bytes)
 
 
-@pytest.mark.parametrize("name", sampling.MEMORY_LIMITS)
+@pytest.mark.parametrize("name", rollout.MEMORY_LIMITS)
 def test_bad_limits_name_the_argument(model, name):
   for value in (-1, 1.5):
     with pytest.raises(ValueError, match=f"{name}={value}"):
-      sampling.generate(model, [[1, 2]], max_new_tokens=2, rng=jax.random.key(0), **{name: value})
+      rollout.generate(model, [[1, 2]], max_new_tokens=2, rng=jax.random.key(0), **{name: value})
   config = grpo.get_config("smoke")
   with config.unlocked():
     config.rollout[name] = -2
@@ -176,8 +177,8 @@ def test_two_processes_split_their_own_rows(model, tmp_path):
   got = two_processes.sample_in_two_processes(tmp_path, _CONFIG, prompts, max_new_tokens=5, temperature=1.0,
                                               max_rows_per_device=2, prefill_rows_per_device=1,
                                               prefill_chunk_tokens=8)
-  expected = sampling.generate(model, prompts[0] + [[0]] + prompts[1], max_new_tokens=5, rng=jax.random.key(0),
-                               temperature=1.0).tokens
+  expected = rollout.generate(model, prompts[0] + [[0]] + prompts[1], max_new_tokens=5, rng=jax.random.key(0),
+                              temperature=1.0).tokens
   np.testing.assert_array_equal(np.asarray(got[0]), expected[:5])
   np.testing.assert_array_equal(np.asarray(got[1]), expected[6:])
 
@@ -188,13 +189,14 @@ def test_two_processes_split_their_own_rows(model, tmp_path):
 
 def _spy_on_generate(monkeypatch):
   calls = []
-  real = sampling.generate
+  real = rollout.generate
 
   def spy(model, prompts, **kwargs):
-    calls.append({"rows": len(prompts), **{k: kwargs.get(k, 0) for k in sampling.MEMORY_LIMITS}})
+    calls.append({"rows": len(prompts), **{k: kwargs.get(k, 0) for k in rollout.MEMORY_LIMITS}})
     return real(model, prompts, **kwargs)
 
-  monkeypatch.setattr(sampling, "generate", spy)
+  monkeypatch.setattr(rollout, "generate", spy)  # the face, which the judge calls
+  monkeypatch.setattr(sampler, "generate", spy)  # the module, which the trainer's rollouts call
   return calls
 
 
@@ -203,7 +205,7 @@ def test_config_keys_reach_the_rollout_sampler(model, monkeypatch):
   with config.unlocked():
     config.rollout.max_rows_per_device = 2
     config.rollout.prefill_chunk_tokens = 4
-  limits = train.sampler_limits(config)
+  limits = run_setup.sampler_limits(config)
   assert limits == {"max_rows_per_device": 2, "prefill_rows_per_device": 0, "prefill_chunk_tokens": 4}
   settings = rollout.SamplerSettings(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(5,), pad_id=0,
                                      **limits)
@@ -225,14 +227,14 @@ def test_a_run_resumes_with_other_memory_bounds():
   saved = grpo.get_config("smoke").to_dict()
   current = grpo.get_config("smoke")
   with current.unlocked():
-    for name in sampling.MEMORY_LIMITS:
+    for name in rollout.MEMORY_LIMITS:
       current.rollout[name] = 4
     current.rollout.top_k = 3  # not a memory bound: still refused
   assert checkpointing.incompatible_changes(saved, current.to_dict()) == ["rollout.top_k: 0 -> 3"]
 
 
 def test_config_keys_reach_the_model_judge(monkeypatch):
-  calls = _spy_on_generate(monkeypatch)  # before the judge binds sampling.generate
+  calls = _spy_on_generate(monkeypatch)  # before the judge binds rollout.generate
   tokenizer = types.SimpleNamespace(eos_token_id=1, pad_token_id=0, encode=lambda text, **_: types.SimpleNamespace(
       ids=[2 + ord(c) % 60 for c in text[:20]]), decode=lambda ids, **_: "score: 3")
   cfg = types.SimpleNamespace(kind="model", max_new_tokens=3, batch_size=2, get=lambda key, default: default)
@@ -244,4 +246,4 @@ def test_config_keys_reach_the_model_judge(monkeypatch):
   assert calls == [{"rows": 2, "max_rows_per_device": 1, "prefill_rows_per_device": 0, "prefill_chunk_tokens": 8}]
   assert len(results) == 1 and results[0].text == "score: 3"
   with pytest.raises(ValueError, match="prefill_rows_per_device=-1"):
-    judge_lib.ModelJudge(tiny, tokenizer, prefill_rows_per_device=-1, generate_fn=sampling.generate)
+    judge_lib.ModelJudge(tiny, tokenizer, prefill_rows_per_device=-1, generate_fn=rollout.generate)

@@ -20,10 +20,10 @@ from flax import nnx
 
 from configs import grpo
 from jaxrlvr import config_lib
+from jaxrlvr.compare import hf_check
 from jaxrlvr import data
-from jaxrlvr import hf_check
 from jaxrlvr import models
-from jaxrlvr import sampling
+from jaxrlvr import rollout
 from jaxrlvr.models import convert
 from jaxrlvr.models import hf as hf_lib
 from jaxrlvr.models import pretrained
@@ -105,8 +105,8 @@ def test_logits_and_greedy_chat_answers_equal_transformers(converted, tokenizer,
   assert np.abs(got - expected)[real].max() / np.abs(expected[real]).max() <= 1e-4
 
   stops = data.stop_token_ids(tokenizer)
-  out = sampling.generate(ours, chat_prompts, max_new_tokens=_NEW_TOKENS, rng=jax.random.key(0), temperature=0.0,
-                          eos_ids=stops, pad_id=pad)
+  out = rollout.generate(ours, chat_prompts, max_new_tokens=_NEW_TOKENS, rng=jax.random.key(0), temperature=0.0,
+                         eos_ids=stops, pad_id=pad)
   with torch.no_grad():
     reference = theirs.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
                                 max_new_tokens=_NEW_TOKENS, eos_token_id=stops, pad_token_id=pad)[:, width:].numpy()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import outputs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 600
@@ -42,7 +42,7 @@ def _run(method, workdir, cache, *extra):
 def _by_step(workdir):
   """The last row logged for each step, without wall-clock fields (they differ between runs)."""
   rows = {}
-  for row in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+  for row in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
     rows[row["step"]] = {k: v for k, v in row.items() if k != "time" and not k.startswith("time/")}
   return rows
 
@@ -55,12 +55,12 @@ def test_smoke_runs_every_method(method, tmp_path, warm_cache):
   assert sorted(rows) == [0, 1, 2, 3, 4]
   for key in ("rollout/solve_rate", "rollout/response_length", "loss/policy", "loss/entropy", "optim/grad_norm",
               "optim/skipped", "policy/fresh/ratio_mean", "time/step_s"):
-    assert key in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1], key
+    assert key in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1], key
   assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[4]
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["replay"]["name"] == ("none" if method in ("grpo", "exprl") else method)
   if method == "exprl":  # the judge ran on every finished rollout (the tiny policy as judge cannot parse: removed)
-    last = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
+    last = outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
     assert last["judge/requests"] + last["judge/clipped_rollouts"] > 0
     assert last["judge/removed_rollouts"] == last["judge/parse_failures"] + last["judge/request_failures"]
   assert any(name.startswith("events") for name in os.listdir(os.path.join(workdir, "tensorboard")))

@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from jaxrlvr import metrics as metrics_lib
+from jaxrlvr import outputs
 from jaxrlvr import rollout
 from jaxrlvr import train
 from jaxrlvr.rewards import math as math_rewards
@@ -54,7 +54,7 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
   workdir = str(tmp_path / method)
   train.run(config, workdir)
 
-  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  rows = outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   steps = [r for r in rows if "loss/policy" in r]
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
   solve = [r["rollout/solve_rate"] for r in steps]

@@ -1,4 +1,4 @@
-"""What the samplers' multi-host tests share: `sampling.generate` in 2 CPU processes of 4 devices each.
+"""What the samplers' multi-host tests share: `rollout.generate` in 2 CPU processes of 4 devices each.
 
 Each process builds the same random model from a ModelConfig, makes it a global array replicated over the 8-device
 mesh (data=4, tensor=2, so 2 batch shards a process), and samples its own prompts with the given keyword arguments.
@@ -17,14 +17,14 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
 from flax import nnx
 import numpy as np
-from jaxrlvr import parallel, sampling
+from jaxrlvr import parallel, rollout
 from jaxrlvr.models import ModelConfig, Transformer
 mesh = parallel.make_mesh(data=4, fsdp=1, tensor=2)  # 8 devices, 4 per process
 graphdef, state = nnx.split(Transformer(ModelConfig(**json.loads(sys.argv[4])), rngs=nnx.Rngs(0)))
 replicated = parallel.replicated(mesh)  # the same weights in every process: global arrays from the local copies
 state = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)), state)
 model = nnx.merge(graphdef, state)
-out = sampling.generate(model, json.loads(sys.argv[3]), rng=jax.random.key(0), mesh=mesh, **json.loads(sys.argv[5]))
+out = rollout.generate(model, json.loads(sys.argv[3]), rng=jax.random.key(0), mesh=mesh, **json.loads(sys.argv[5]))
 print("TOKENS", json.dumps(out.tokens.tolist()))
 """
 

@@ -29,7 +29,7 @@ points within 50-200 steps (seed 0; README, "Results"). `worked_by_level` (confi
 "add2=1,addsub2=0") sets the share per level instead, and `levels` (config `data.levels`) the mix: the levels qids
 cycle through, the four above by default, or any of them and two more, `add1x2` ("8+47") and `mul2x2` ("47*38",
 worked as the partial products 376,141, then the answer). The comparison's paper-shaped regime uses both for a
-model that always solves some levels and almost never others (jaxrlvr/compare_arms.py).
+model that always solves some levels and almost never others (jaxrlvr/compare/arms.py).
 
 `phrasing` (config `data.phrasing`) is how a question reads: "compact" ("47+38", the embedded tokenizer's
 characters, for the tiny model) or "sentence" for a pretrained chat model, which answers in words and boxes its

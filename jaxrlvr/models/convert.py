@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from jaxrlvr import config_lib
-from jaxrlvr.data import templates
+from jaxrlvr import data as data_lib
 from jaxrlvr.models import hf as hf_lib
 from jaxrlvr.models.config import MODEL_TYPES
 
@@ -103,7 +103,7 @@ def convert_gguf(gguf_file: str, out_dir: str) -> str:
     tokenizer.save_pretrained(staging)
     bos = tokenizer.bos_token_id
     transformers.GenerationConfig(
-        eos_token_id=templates.stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=data_lib.stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
         **({} if bos is None else {"bos_token_id": bos})).save_pretrained(staging)
     # mkdtemp's 0700 (and the 0600 the weights are written with) would keep the directory from other users.
     os.chmod(staging, 0o777 & ~_umask())

@@ -31,6 +31,7 @@ from jaxrlvr.replay import advantage_priority, bapo, exgrpo, none
 from jaxrlvr.replay.base import (CORRECT_THRESHOLD, Group, Plan, QuestionsExhausted, Request, Rollout, ScoreRequest,
                                  Strategy, group_advantages_np)
 from jaxrlvr.replay.exgrpo import bucket_weights
+from jaxrlvr.replay.storage import RolloutStore
 
 STRATEGIES = {
     "none": none.NoReplay,

@@ -395,6 +395,25 @@ def dense_rewards(judge: Judge, groups: Sequence[RolloutGroup], tokenizer, *, re
                       scores=[s.astype(np.float32) for s in scores])
 
 
+def judged_groups(groups, book, *, completion_len: int) -> list[RolloutGroup]:
+  """The trainer's final groups (replay.Group) as the judge's RolloutGroups: the question and its hidden reference
+  solution from the prompt book (rollout.PromptBook), the completions' token ids padded to `completion_len`."""
+  out = []
+  for g in groups:
+    ids = np.zeros((len(g.rollouts), completion_len), np.int32)
+    for i, r in enumerate(g.rollouts):
+      ids[i, :len(r.tokens)] = r.tokens
+    example = book.example(g.qid)
+    if not example.solution:
+      raise ValueError(f"ExpRL needs a reference solution: question {g.qid} of {book.source!r} has none "
+                       "(set data.solution_field)")
+    out.append(RolloutGroup(question=example.question, reference=example.solution, token_ids=ids,
+                                  lengths=np.array([len(r.tokens) for r in g.rollouts]),
+                                  finished=np.array([r.finished for r in g.rollouts])))
+  return out
+
+
+
 def dense_reward_kwargs(cfg) -> dict:
   """Keyword arguments of `dense_rewards` from the `exprl` config block (reward, norm, group_mean, delimiter,
   scale_by_std), checked here so a typo fails before the first rollout."""

@@ -9,7 +9,7 @@ Two judges share one interface, `Judge.score(requests) -> results` (same order, 
   `JudgeError` naming the URL instead). Once one request of a batch has failed all its tries, the others get one try
   each: a server that is down costs a step one round of retries, not one per request. Configuration mistakes that no
   retry can fix (401, 403, 404: wrong key, URL or model name) raise `JudgeError` at once.
-- `ModelJudge`: a model loaded by this package, decoded greedily by `jaxrlvr.sampling.generate`.
+- `ModelJudge`: a model loaded by this package, decoded greedily by `jaxrlvr.rollout.generate`.
 
 A result whose reply was received but states no verdict has `score=None, error=None` (a parse failure); the
 dense-reward code removes such rollouts from the loss and counts them (`judge/parse_failures`).
@@ -225,7 +225,7 @@ class HttpJudge(Judge):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A model of our own, decoded greedily by jaxrlvr.sampling
+# A model of our own, decoded greedily by jaxrlvr.rollout.sampler
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -250,7 +250,7 @@ class ModelJudge(Judge):
   is not truncated -- cutting the reference or the answer would change what is judged -- it fails with `error`.
   With a sharded judge model pass its `mesh`; `batch_size` should then be a multiple of the mesh's batch shards.
   max_rows_per_device, prefill_rows_per_device and prefill_chunk_tokens bound the sampler's memory as in
-  `sampling.generate` (0: off; config rollout.*); they reach `generate_fn` only when set. So do engine,
+  `rollout.generate` (0: off; config rollout.*); they reach `generate_fn` only when set. So do engine,
   decode_slots, decode_chunk_steps and decode_weights (config rollout.*), when engine is not "static".
   """
 
@@ -265,8 +265,8 @@ class ModelJudge(Judge):
     if batch_size < 1:
       raise ValueError(f"ModelJudge: batch_size={batch_size} must be >= 1")
     if generate_fn is None:
-      from jaxrlvr import sampling  # pylint: disable=g-import-not-at-top  (HTTP-only users need no sampler)
-      generate_fn = sampling.generate
+      from jaxrlvr import rollout  # pylint: disable=g-import-not-at-top  (the sampler only for a model judge)
+      generate_fn = rollout.generate
     if eos_ids is None:
       eos = getattr(tokenizer, "eos_token_id", None)
       eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))

@@ -1,6 +1,6 @@
 """The planner's arithmetic: per-device bytes of each device phase of an RL step, from shapes alone.
 
-`plan.py` is the command line and the report, and its docstring explains every term; `plan_xla.py` compiles the same
+`plan/report.py` is the command line and the report, and its docstring explains every term; `plan/xla.py` compiles the same
 phases for XLA's own figures. Nothing here allocates: the model is built with `nnx.eval_shape`.
 """
 from __future__ import annotations
@@ -19,24 +19,23 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from jaxrlvr import config_lib
 from jaxrlvr import models
 from jaxrlvr import parallel
+from jaxrlvr import run_setup
 from jaxrlvr import scoring
-from jaxrlvr.models import attention as attention_lib
-from jaxrlvr.models.config import ModelConfig
-from jaxrlvr.sampling_batches import bucket_length
+from jaxrlvr.rollout import bucket_length
 
 GB = 1e9
 USABLE_FRACTION = 0.9
 BACKENDS = ("gpu", "tpu", "cpu")
-# XLA:CPU compiles the phases as an accelerator would only with these (plan.py's docstring): its memory-optimising
+# XLA:CPU compiles the phases as an accelerator would only with these (plan/report.py's docstring): its memory-optimising
 # scheduler, which honours remat, and no YNNPACK fusions (the list of fusion types replaced by one that matches
 # nothing), which would compute a whole MLP in tiles. Read when JAX starts its CPU client: set in XLA_FLAGS first.
 CPU_MEMORY_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false "
                     "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INVALID")
 EXGRPO_STORE_FRACTION = 202_011 / (700 * 128 * 8)  # ExGRPO paper: trajectories stored / rollouts sampled
-TOKENS_PER_TRAJECTORY = 1000  # see plan.py's docstring
+TOKENS_PER_TRAJECTORY = 1000  # see plan/report.py's docstring
 ROW_INDEX_BYTES = 52  # per stored row: order queue (2 x int64) + ~36 bytes in the owner's Python list of row ids
 STORE_SLACK = 8 / 7  # replay/storage.py compacts a page once its dead tokens exceed 1/8
-# Arrays of one layer live at its peak, counted in XLA's buffer assignment of the 7B-wide phases (plan.py's
+# Arrays of one layer live at its peak, counted in XLA's buffer assignment of the 7B-wide phases (plan/report.py's
 # docstring): [b, S, F] and [b, S, D] arrays in the compute dtype.
 BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
 FORWARD_MLP_ARRAYS, FORWARD_HIDDEN_ARRAYS = 3, 2
@@ -62,12 +61,12 @@ ACCELERATORS = {
 @dataclasses.dataclass(frozen=True)
 class Workload:
   """The sizes the formulas use, derived from the config and the mesh (all per device unless named otherwise)."""
-  model: ModelConfig
+  model: models.ModelConfig
   mesh_shape: tuple[int, int, int]
   mesh_kind: str  # "devices" (specs from a real mesh) or "abstract" (jax.sharding.AbstractMesh)
   backend: str  # "gpu", "tpu" or "cpu": resolves attention="auto" and the schedule-dependent terms
   batch_shards: int  # data x fsdp
-  rows: int  # rows of the global update batch (train.batch_rows)
+  rows: int  # rows of the global update batch (run_setup.batch_rows)
   micro_rows: int  # one micro-batch, one device; also one scoring pass (step.make_score_fn's chunks)
   rollout_rows: int  # one sampler call, one device (rollout.max_rows_per_device bounds it)
   sampler_calls: int  # calls a step's rollouts take
@@ -91,7 +90,7 @@ class Workload:
   def attention(self, q_len: int, kv_len: int) -> str:
     """The implementation attention="auto" (or the configured one) runs for a call of these lengths."""
     m = self.model
-    return attention_lib.resolve(m.attention, q_len=q_len, kv_len=kv_len, dtype=m.compute_dtype,
+    return models.resolve_attention(m.attention, q_len=q_len, kv_len=kv_len, dtype=m.compute_dtype,
                                  head_dim=m.head_dim, backend=self.backend)
 
 
@@ -103,7 +102,7 @@ def shard_shape(shape: Sequence[int], spec: PartitionSpec, axis_sizes: dict[str,
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
     parts = math.prod(axis_sizes[a] for a in axes)
     if dim % parts:
-      raise ValueError(f"plan.py: dimension {dim} of {tuple(shape)} is not divisible by {parts} ({spec})")
+      raise ValueError(f"plan/report.py: dimension {dim} of {tuple(shape)} is not divisible by {parts} ({spec})")
     out.append(dim // parts)
   return tuple(out)
 
@@ -117,42 +116,7 @@ def spec_mesh(mesh_shape: Sequence[int]) -> tuple[Any, str]:
   return AbstractMesh(mesh_shape, parallel.MESH_AXES), "abstract"
 
 
-def model_config(config: Any) -> ModelConfig:
-  """The architecture: from `config.model.path`'s config.json when set, else the preset; dtypes/remat from config."""
-  m = config.model
-  if m.path:
-    from jaxrlvr.models import hf  # pylint: disable=g-import-not-at-top
-    if not os.path.exists(os.path.join(m.path, "config.json")):
-      raise FileNotFoundError(f"plan.py: config.model.path={m.path!r} has no config.json; clear it to plan the "
-                              f"preset {m.preset!r}")
-    return hf.config_from_hf(hf.read_config(m.path), param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-                             attention=m.attention, attention_block_size=m.attention_block_size, remat=m.remat)
-  return models.from_config(config)
-
-
-def rows_per_sampler_call(config: Any) -> int:
-  """The rows a sampler call holds per batch shard, the sampler's `max_rows_per_device` (0: no bound).
-
-  `rollout.max_rows_per_device` when it is set; else, with `rollout.kv_cache_gb` set, the largest power of two of
-  rows whose KV cache fits that budget: rows x (prompt bucket + max_new_tokens) slots x layers x (k, v) x kv heads x
-  head_dim x the compute dtype's bytes, for the whole model (`model_config`; kv heads counted unsplit, so with a
-  tensor axis a device holds less than the budget). Resolved from the config as the run has it, command-line
-  overrides applied: --config.rollout.max_new_tokens=16384 halves the rows instead of doubling the cache."""
-  r = config.rollout
-  if r.max_rows_per_device > 0 or not r.get("kv_cache_gb", 0):
-    return int(r.max_rows_per_device)
-  m = model_config(config)
-  slots = bucket_length(config.data.max_prompt_len) + r.max_new_tokens
-  row_bytes = m.num_layers * 2 * m.num_kv_heads * m.head_dim * jnp.dtype(m.compute_dtype).itemsize * slots
-  rows = int(r.kv_cache_gb * 1e9 // row_bytes)
-  if rows < 1:
-    raise config_lib.ConfigError(
-        f"config.rollout.kv_cache_gb={r.kv_cache_gb!r}: holds no row; one row's KV cache at {slots} slots is "
-        f"{row_bytes / 1e9:.2f} GB")
-  return 1 << (rows.bit_length() - 1)
-
-
-def param_table(cfg: ModelConfig, mesh: Any) -> list[tuple[str, tuple[int, ...], PartitionSpec, int]]:
+def param_table(cfg: models.ModelConfig, mesh: Any) -> list[tuple[str, tuple[int, ...], PartitionSpec, int]]:
   """(path, global shape, PartitionSpec, dtype bytes) of every parameter, from an abstract model (no memory)."""
   abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   state = nnx.state(abstract, nnx.Param)
@@ -186,35 +150,26 @@ def _split(name: str, size: int, mesh: Any) -> int:
   return shard_shape((size,), spec, dict(mesh.shape))[0]
 
 
-def batch_rows(config: Any, batch_shards: int) -> int:
-  """Rows of every update batch; mirrors `train.batch_rows` (a test checks they agree)."""
-  rollouts = config.rollout.batch_size * config.rollout.group_size
-  if config.replay.name == "advantage_priority" and config.replay.composition == "fresh_anchored":
-    rollouts += int(round(config.replay.replay_fraction * rollouts))
-  multiple = config.train.num_minibatches * config.train.num_microbatches * batch_shards
-  return -(-rollouts // multiple) * multiple
-
-
 def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", mesh: Any = None,
-             mesh_kind: str | None = None, model: ModelConfig | None = None) -> Workload:
+             mesh_kind: str | None = None, model: models.ModelConfig | None = None) -> Workload:
   """The sizes of one RL step on a (data, fsdp, tensor) mesh; `model` replaces the config's architecture."""
   if len(mesh_shape) != 3 or any(int(s) < 1 for s in mesh_shape):
-    raise ValueError(f"plan.py: mesh {tuple(mesh_shape)} must be three positive sizes (data, fsdp, tensor)")
+    raise ValueError(f"plan/report.py: mesh {tuple(mesh_shape)} must be three positive sizes (data, fsdp, tensor)")
   if backend not in BACKENDS:
-    raise ValueError(f"plan.py: backend={backend!r} is not one of {BACKENDS}")
+    raise ValueError(f"plan/report.py: backend={backend!r} is not one of {BACKENDS}")
   if mesh is None:
     mesh, mesh_kind = spec_mesh(mesh_shape)
-  cfg = model_config(config) if model is None else model
+  cfg = run_setup.model_config(config) if model is None else model
   data, fsdp, _ = (int(s) for s in mesh_shape)
   shards = data * fsdp
-  rows = batch_rows(config, shards)
+  rows = run_setup.batch_rows(config, shards)
   t, r = config.train, config.rollout
-  # sampling_batches.plan_calls: the step's rollouts padded to the shards, cut into calls of at most max rows each.
+  # bounded.plan_calls: the step's rollouts padded to the shards, cut into calls of at most max rows each.
   per_device = -(-r.batch_size * r.group_size // shards)
   engine = r.get("engine", "static") == "continuous"
-  # The engine's decode slots per device (engine_scheduler.generate): decode_slots, else max_rows_per_device, else a
+  # The engine's decode slots per device (scheduler.generate): decode_slots, else max_rows_per_device, else a
   # slot per row; rows beyond them queue in the same state. The static sampler: calls of max_rows_per_device rows.
-  max_rows = rows_per_sampler_call(config)
+  max_rows = run_setup.rows_per_sampler_call(config)
   bound = (r.get("decode_slots", 0) or max_rows) if engine else max_rows
   call_rows = min(per_device, bound) if bound > 0 else per_device
   prompt_len = bucket_length(config.data.max_prompt_len)
@@ -232,7 +187,7 @@ def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", me
 
 
 def attention_bytes(w: Workload, rows: int, q_len: int, kv_len: int, *, backward: bool) -> int:
-  """Transient bytes of one attention call of `rows` rows beyond q/k/v and its output (plan.py's docstring)."""
+  """Transient bytes of one attention call of `rows` rows beyond q/k/v and its output (plan/report.py's docstring)."""
   impl = w.attention(q_len, kv_len)
   m, n, kv = w.model, w.heads, w.kv_heads
   if impl == "xla":  # f32 scores and probabilities, the compute-dtype probabilities, the [B, T, S] mask
@@ -283,7 +238,7 @@ def weights(w: Workload, mesh: Any, mesh_kind: str) -> dict[str, int]:
 
 
 def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -> int:
-  """All-gathered weight copies alive in a phase that runs `layers` layers (plan.py's docstring, "Gathered weights")."""
+  """All-gathered weight copies alive in a phase that runs `layers` layers (plan/report.py's docstring, "Gathered weights")."""
   if w.mesh_shape[1] == 1 and w.compute_bytes == w.param_bytes:
     return 0  # nothing to gather or cast: the layers read their parameters in place
   full, cast = wt["layer_full"], wt["layer_full"] * w.compute_bytes // w.param_bytes
@@ -404,7 +359,7 @@ PHASE_FUNCTIONS = {"update": update_bytes, "score": score_bytes, "prefill": pref
 
 
 def phase_terms(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu",
-                model: ModelConfig | None = None) -> tuple[Workload, dict[str, int], dict[str, dict[str, int]]]:
+                model: models.ModelConfig | None = None) -> tuple[Workload, dict[str, int], dict[str, dict[str, int]]]:
   """(workload, weights, phase -> term -> bytes): every compiled phase's footprint on one device, by term."""
   mesh, mesh_kind = spec_mesh(mesh_shape)
   w = workload(config, mesh_shape, backend=backend, mesh=mesh, mesh_kind=mesh_kind, model=model)
@@ -412,13 +367,13 @@ def phase_terms(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu",
   return w, wt, {name: fn(config, w, wt) for name, fn in PHASE_FUNCTIONS.items()}
 
 
-def plan_memory(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", model: ModelConfig | None = None,
+def plan_memory(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", model: models.ModelConfig | None = None,
                 replay_trajectories: int | None = None, tokens_per_trajectory: int | None = None,
                 store_fraction: float = EXGRPO_STORE_FRACTION) -> dict[str, int]:
   """Bytes per device of one RL step on `backend` (and of the host replay buffer, over all hosts).
 
   Keys: params, optimizer, gradients, frozen_copies, resident; update, score, prefill, decode (each compiled phase's
-  footprint, the figure plan_xla.py compares with XLA's) and their terms as "phase.term"; kv_cache, train_peak,
+  footprint, the figure plan/xla.py compares with XLA's) and their terms as "phase.term"; kv_cache, train_peak,
   score_peak, rollout_peak, peak, replay_host; and param_count, replay_trajectories, replay_tokens (counts).
   """
   w, wt, phases = phase_terms(config, mesh_shape, backend=backend, model=model)
@@ -449,7 +404,7 @@ def plan_memory(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu",
 def replay_estimate(config: Any, *, trajectories: int | None, tokens_per_trajectory: int | None,
                     store_fraction: float) -> tuple[int, int, int]:
   """(host bytes, trajectories, tokens per trajectory) of the replay buffer at its expected size."""
-  from jaxrlvr.replay.storage import RolloutStore  # pylint: disable=g-import-not-at-top  (numpy only)
+  from jaxrlvr.replay import RolloutStore  # pylint: disable=g-import-not-at-top
   r, name = config.replay, config.replay.name
   rollouts = config.rollout.batch_size * config.rollout.group_size
   if trajectories is None:
@@ -483,7 +438,7 @@ def fits(memory: dict[str, int], accelerator: str, *, usable_fraction: float = U
   `memory` is `plan_memory` for that accelerator's backend.
   """
   if accelerator not in ACCELERATORS:
-    raise KeyError(f"plan.py: unknown accelerator {accelerator!r}; known: {sorted(ACCELERATORS)}")
+    raise KeyError(f"plan/report.py: unknown accelerator {accelerator!r}; known: {sorted(ACCELERATORS)}")
   if not 0 < usable_fraction <= 1:
-    raise ValueError(f"plan.py: usable_fraction={usable_fraction} must be in (0, 1]")
+    raise ValueError(f"plan/report.py: usable_fraction={usable_fraction} must be in (0, 1]")
   return memory["peak"] <= usable_fraction * ACCELERATORS[accelerator].memory

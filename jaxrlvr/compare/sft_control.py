@@ -1,9 +1,9 @@
 """The supervised control of the method comparison: more supervised training from the same warm start, for as many
 training seconds as an RL run took, so that an RL gain can be told from more training of any kind.
 
-    python -m jaxrlvr.sft_control --config=configs/grpo.py --workdir=DIR --config.seed=0 --wall_s=120 --evals=8
+    python -m jaxrlvr.compare.sft_control --config=configs/grpo.py --workdir=DIR --config.seed=0 --wall_s=120 --evals=8
 
-The run starts from the warm start the RL runs of its config and seed start from (train.build_policy, the same
+The run starts from the warm start the RL runs of its config and seed start from (run_setup.build_policy, the same
 cache entry) and trains on the teacher's solutions of the questions RL draws from (the first `data.rl_train_size`
 training rows, all when 0: the same data as the RL runs; `--all_questions`: every training row, as the warm start),
 with the warm start's step (warm_start.make_sft_step: mean negative log-likelihood of the
@@ -14,7 +14,7 @@ times) and evaluates with the RL runs' evaluator and settings (greedy accuracy, 
 eval.temperature, the same held-out questions) at step 0 and each time another `--wall_s / --evals` seconds have
 passed, and at the end.
 
-The run directory reads like an RL run's (compare.py and run_data.load_run read it): config.json, metrics.jsonl (one
+The run directory reads like an RL run's (compare/runner.py and outputs.load_run read it): config.json, metrics.jsonl (one
 row per step with `rollout/sampled_tokens` = 0, `time/step_s`, `sft/loss`, `sft/elapsed_s`, the evaluations),
 samples.jsonl, and DIR/sft_control.json ({"target_wall_s", "evals", "lr", "finished", ...}), which marks it as a
 control. It keeps no checkpoint: a killed control starts again from the warm start (it costs one RL run's training
@@ -33,7 +33,7 @@ from ml_collections import config_flags
 from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
 from jaxrlvr import logs
-from jaxrlvr import run_data
+from jaxrlvr import outputs
 from jaxrlvr import xla_cpu
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo.py[:smoke].",
@@ -48,7 +48,7 @@ flags.mark_flags_as_required(["config", "workdir", "wall_s"])
 
 
 def _write_state(workdir: str, state: dict) -> None:
-  path = os.path.join(workdir, run_data.SFT_FILE)
+  path = os.path.join(workdir, outputs.SFT_FILE)
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     json.dump(state, f, indent=2, sort_keys=True)
   os.replace(path + ".tmp", path)  # a reader never sees half a file
@@ -62,22 +62,19 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
   import optax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jaxrlvr import evaluate as evaluate_lib  # pylint: disable=g-import-not-at-top
-  from jaxrlvr import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import outputs  # pylint: disable=g-import-not-at-top
   from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top
   from jaxrlvr import rewards  # pylint: disable=g-import-not-at-top
   from jaxrlvr import rollout  # pylint: disable=g-import-not-at-top
-  from jaxrlvr import sampling  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import run_setup  # pylint: disable=g-import-not-at-top
   from jaxrlvr import step as step_lib  # pylint: disable=g-import-not-at-top
-  from jaxrlvr import train  # pylint: disable=g-import-not-at-top
   from jaxrlvr import warm_start  # pylint: disable=g-import-not-at-top
-  from jaxrlvr.models import pretrained  # pylint: disable=g-import-not-at-top
 
   if not wall_s > 0 or evals < 1:
     raise config_lib.ConfigError(f"sft_control: --wall_s ({wall_s}) must be > 0 and --evals ({evals}) >= 1")
   if jax.process_count() > 1:
     raise config_lib.ConfigError(f"sft_control runs on one process, not {jax.process_count()}")
-  config_lib.validate(config, num_devices=jax.device_count())
-  config = pretrained.resolve_paths(config)
+  config, mesh = run_setup.prepare(config)
   if config.model.path or not config.warm_start.steps:
     raise config_lib.ConfigError("sft_control continues the supervised warm start of a preset initialised at random "
                                  f"(model.path={config.model.path!r}, warm_start.steps={config.warm_start.steps}); "
@@ -86,24 +83,20 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(config.to_dict(), f, indent=2, sort_keys=True)
-  for name in ("metrics.jsonl", metrics_lib.SAMPLES_FILE):  # an unfinished earlier try starts over
+  for name in ("metrics.jsonl", outputs.SAMPLES_FILE):  # an unfinished earlier try starts over
     if os.path.exists(os.path.join(workdir, name)):
       os.remove(os.path.join(workdir, name))
   state = {"target_wall_s": float(wall_s), "evals": int(evals), "lr": float(lr), "all_questions": bool(all_questions),
            "finished": False}
   _write_state(workdir, state)
 
-  mesh = parallel.make_mesh(*config_lib.mesh_shape(config.mesh, jax.device_count()))
-  tokenizer = data_lib.tokenizer_from_config(config)
-  train_set, eval_set = data_lib.sources_from_config(config)
-  eval_examples = [eval_set[q] for q in range(min(len(eval_set), config.data.eval_size or len(eval_set)))]
-  book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
-                            max_prompt_len=config.data.max_prompt_len)
-  model, _ = train.build_policy(config, mesh, book)
+  data = run_setup.load_data(config, check_prompts=False)
+  tokenizer, train_set, eval_examples, book = data.tokenizer, data.train_set, data.eval_examples, data.book
+  model, _ = run_setup.build_policy(config, mesh, book)
   completion_len = config.rollout.max_new_tokens
   pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.prompt_ids,
                                              max_rows=len(train_set) if all_questions else
-                                             train.rl_train_size(config, train_set),
+                                             run_setup.rl_train_size(config, train_set),
                                              completion_len=completion_len)
   if missing:
     raise data_lib.DataError(f"sft_control: {missing} of the training rows have no solution to train on")
@@ -118,17 +111,17 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
   reward_pool = rewards.MathRewardPool.from_config(config)
   eos_ids, pad_id = tuple(data_lib.stop_token_ids(tokenizer)), tokenizer.pad_token_id
   prompt_len = config.data.max_prompt_len  # as the warm start packs its batches
-  writer = metrics_lib.MetricWriter(workdir, total_steps=0, show_progress=False)
+  writer = outputs.MetricWriter(workdir, total_steps=0, show_progress=False)
 
   def evaluate(step: int) -> dict:
     policy = nnx.merge(graphdef, params)
 
-    def generate_fn(prompts, temperature, n):  # as train.py's evaluator, on one process
+    def generate_fn(prompts, temperature, n):  # as the trainer's evaluator, on one process
       ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-      out = sampling.generate(policy, [p for p in ids for _ in range(n)], max_new_tokens=completion_len,
-                              rng=jax.random.key(config.seed + 1), temperature=temperature, eos_ids=eos_ids,
-                              pad_id=pad_id, mesh=mesh, **train.sampler_limits(config),
-                              **train.sampler_engine(config))
+      out = rollout.generate(policy, [p for p in ids for _ in range(n)], max_new_tokens=completion_len,
+                             rng=jax.random.key(config.seed + 1), temperature=temperature, eos_ids=eos_ids,
+                             pad_id=pad_id, mesh=mesh, **run_setup.sampler_limits(config),
+                             **run_setup.sampler_engine(config))
       return rollout.decode(tokenizer, out.tokens, out.lengths), out.lengths
 
     metrics, samples = evaluate_lib.evaluate_with_samples(
@@ -153,7 +146,7 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
     step_s = time.perf_counter() - t
     elapsed += step_s
     step += 1
-    row = {run_data.TOKENS_KEY: 0.0, run_data.STEP_TIME_KEY: step_s, "sft/loss": loss, "sft/elapsed_s": elapsed}
+    row = {outputs.TOKENS_KEY: 0.0, outputs.STEP_TIME_KEY: step_s, "sft/loss": loss, "sft/elapsed_s": elapsed}
     if elapsed >= next_eval * interval or elapsed >= wall_s:
       last = evaluate(step)
       row.update(last)
@@ -163,7 +156,7 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
   reward_pool.close()
   _write_state(workdir, {**state, "finished": True, "steps": step, "elapsed_s": elapsed, "pairs": len(pairs)})
   logging.info("sft_control: %d steps in %.1f s of training; held-out accuracy %.3f", step, elapsed,
-               last[run_data.ACCURACY_KEY])
+               last[outputs.ACCURACY_KEY])
   return last
 
 

@@ -1,6 +1,6 @@
 """Host side of the sampler: ragged prompts -> left-padded arrays cut into sampler calls of one shape.
 
-`jaxrlvr.sampling.generate` samples a list of prompts in one or more sampler calls. With `max_rows_per_device` > 0
+`jaxrlvr.rollout.generate` samples a list of prompts in one or more sampler calls. With `max_rows_per_device` > 0
 a call holds at most that many rows on each batch shard of the mesh (data x fsdp; 1 without a mesh), which bounds
 the KV cache and the decode's state; the prompts are then cut into consecutive calls, all padded to the same row
 count and the same prompt bucket (that of the longest prompt overall), so one compiled prefill and decode serve them
@@ -33,7 +33,7 @@ def bucket_length(n: int) -> int:
   the step becomes linear (at most 512 wasted slots, i.e. < 50% once n > 512).
   """
   if n < 1:
-    raise ValueError(f"sampling.py: bucket_length needs a positive prompt length, got n={n}")
+    raise ValueError(f"rollout/sampler.py: bucket_length needs a positive prompt length, got n={n}")
   if n <= 512:
     return max(16, 1 << (n - 1).bit_length())
   return -(-n // 512) * 512
@@ -76,18 +76,18 @@ def plan_calls(prompts: Sequence[Sequence[int]], *, pad_id: int, vocab_size: int
   """
   batch = len(prompts)
   if batch == 0:
-    raise ValueError("sampling.py: generate got an empty list of prompts")
+    raise ValueError("rollout/sampler.py: generate got an empty list of prompts")
   lengths = [len(p) for p in prompts]
   if min(lengths) == 0:
-    raise ValueError(f"sampling.py: prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+    raise ValueError(f"rollout/sampler.py: prompt {lengths.index(0)} is empty; every prompt needs at least one token")
   if pad_batch_to < 1:
-    raise ValueError(f"sampling.py: pad_batch_to={pad_batch_to} must be >= 1")
+    raise ValueError(f"rollout/sampler.py: pad_batch_to={pad_batch_to} must be >= 1")
   multiple = int(pad_batch_to)
   local_shards = 1
   if mesh is not None:
     shards = batch_shards(mesh)
     if shards % jax.process_count():
-      raise ValueError(f"sampling.py: the batch axes {BATCH_AXES} have {shards} shards, not a multiple of the "
+      raise ValueError(f"rollout/sampler.py: the batch axes {BATCH_AXES} have {shards} shards, not a multiple of the "
                        f"{jax.process_count()} processes; each process must own whole batch shards")
     local_shards = shards // jax.process_count()
     multiple = multiple * local_shards // np.gcd(multiple, local_shards)
@@ -107,7 +107,7 @@ def plan_calls(prompts: Sequence[Sequence[int]], *, pad_id: int, vocab_size: int
     mask[row, width - len(prompt):] = 1
   mask[batch:, -1] = 1
   if vocab_size is not None and (ids.max() >= vocab_size or ids.min() < 0):
-    raise ValueError(f"sampling.py: prompt token ids must lie in [0, vocab_size={vocab_size}); got min {ids.min()}, "
+    raise ValueError(f"rollout/sampler.py: prompt token ids must lie in [0, vocab_size={vocab_size}); got min {ids.min()}, "
                      f"max {ids.max()} (pad_id={pad_id})")
   # Padding rows of a last call that runs past the unsplit batch get keys other processes' rows also use: they are
   # done from the start, so their draws are never read.
@@ -120,7 +120,7 @@ def stop_array(eos_ids: Sequence[int]) -> np.ndarray:
   """Stop ids as an int32 array padded with -1 to a multiple of 4 slots, so most stop sets share one compile."""
   eos = [int(e) for e in eos_ids]
   if any(e < 0 for e in eos):
-    raise ValueError(f"sampling.py: eos_ids={eos} must be non-negative token ids")
+    raise ValueError(f"rollout/sampler.py: eos_ids={eos} must be non-negative token ids")
   slots = max(4, -(-len(eos) // 4) * 4)
   return np.asarray(eos + [-1] * (slots - len(eos)), np.int32)
 
@@ -129,13 +129,13 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_p: float, t
                         limits: dict[str, int]) -> None:
   """One line naming the argument for a value `generate` cannot use; `limits` maps MEMORY_LIMITS to their values."""
   if max_new_tokens < 1:
-    raise ValueError(f"sampling.py: max_new_tokens={max_new_tokens} must be >= 1")
+    raise ValueError(f"rollout/sampler.py: max_new_tokens={max_new_tokens} must be >= 1")
   if temperature < 0:
-    raise ValueError(f"sampling.py: temperature={temperature} must be >= 0 (0 is greedy)")
+    raise ValueError(f"rollout/sampler.py: temperature={temperature} must be >= 0 (0 is greedy)")
   if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"sampling.py: top_p={top_p} must lie in (0, 1]")
+    raise ValueError(f"rollout/sampler.py: top_p={top_p} must lie in (0, 1]")
   if top_k < 0:
-    raise ValueError(f"sampling.py: top_k={top_k} must be >= 0 (0 switches it off)")
+    raise ValueError(f"rollout/sampler.py: top_k={top_k} must be >= 0 (0 switches it off)")
   for name, value in limits.items():
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-      raise ValueError(f"sampling.py: {name}={value!r} must be an integer >= 0 (0: no limit)")
+      raise ValueError(f"rollout/sampler.py: {name}={value!r} must be an integer >= 0 (0: no limit)")

@@ -1,13 +1,13 @@
 """The comparison's numbers: each run's figures at the common budget, their means and 95% intervals over seeds, and
 the differences paired by seed against the baseline arm; written as DIR/results.md, results.csv and runs.csv.
 
-Per run (compare.py's module doc has the budget rule):
+Per run (compare/runner.py's module doc has the budget rule):
 - greedy accuracy at the budget (the last evaluation at or below it), its gain over step 0, the AUC;
 - pass@k at the budget (`eval/pass@k`, k samples per question at eval.temperature; the last evaluation with it at or
   below the budget), where the runs measured it;
 - stability: the largest drop of greedy accuracy between two consecutive evaluations up to the budget, and the
   standard deviation of the evaluations in the second half of the budget;
-- from DIR/questions.jsonl (run_data.visit_stats, steps up to the budget): questions visited, mean visits, and of
+- from DIR/questions.jsonl (outputs.visit_stats, steps up to the budget): questions visited, mean visits, and of
   the questions with no correct answer at their first visit, the share solved (>= 1 of K) at a later visit;
 - cost: median step time, steps and training seconds up to the budget, tokens per step.
 A supervised control run (kind "sft") generates no tokens: its budget is the training time the baseline run of its
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrlvr import run_data
+from jaxrlvr import outputs
 
-ACCURACY_KEY = run_data.ACCURACY_KEY
+ACCURACY_KEY = outputs.ACCURACY_KEY
 _PASS_KEY = re.compile(r"^eval/pass@(\d+)$")
 
 
@@ -62,7 +62,7 @@ def late_std(x: np.ndarray, accuracy: np.ndarray, budget: float) -> float:
   return float(np.std(late, ddof=1)) if len(late) > 1 else float("nan")
 
 
-def pass_key(runs: Sequence[run_data.RunData]) -> str | None:
+def pass_key(runs: Sequence[outputs.RunData]) -> str | None:
   """The pass@k metric the runs logged (`eval/pass@8`), the largest k when they logged several; None: none."""
   ks = {int(m.group(1)) for r in runs for row in r.rows.values() for key in row if (m := _PASS_KEY.match(key))}
   return f"eval/pass@{max(ks)}" if ks else None
@@ -77,12 +77,12 @@ class Summary:
   pass_key: str | None = None  # e.g. "eval/pass@8"
 
 
-def _run_row(r: run_data.RunData, *, x: dict, budget: float, pass_metric: str | None) -> dict:
+def _run_row(r: outputs.RunData, *, x: dict, budget: float, pass_metric: str | None) -> dict:
   """One run's figures with `x` ({step: position}: tokens, or training seconds for the control) cut at `budget`."""
   steps, _, accuracy = r.series(ACCURACY_KEY)
   eval_x = np.asarray([x[s] for s in steps], np.float64)
   within_eval = eval_x <= budget
-  time_steps, _, step_times = r.series(run_data.STEP_TIME_KEY)
+  time_steps, _, step_times = r.series(outputs.STEP_TIME_KEY)
   within = np.asarray([x[s] <= budget for s in time_steps], bool)
   last = int(time_steps[within][-1]) if within.any() else 0
   row = {
@@ -110,20 +110,20 @@ def _run_row(r: run_data.RunData, *, x: dict, budget: float, pass_metric: str | 
     row.update(questions=float("nan"), visits_mean=float("nan"), hard_first=float("nan"),
                hard_solved_share=float("nan"))
   else:
-    visits = run_data.visit_stats(r.questions, last_step=last)
+    visits = outputs.visit_stats(r.questions, last_step=last)
     row.update(questions=visits.questions, visits_mean=visits.visits_mean, hard_first=visits.hard_first,
                hard_solved_share=visits.hard_solved_share)
   row.update(_mechanism(r, last))
   return row
 
 
-def _mechanism(r: run_data.RunData, last: int) -> dict:
+def _mechanism(r: outputs.RunData, last: int) -> dict:
   """The mechanism figures of a run up to step `last` (NaN for the control, or where a run did not log them)."""
   nan = float("nan")
   if r.kind == "sft" or not r.questions:
     return dict(signal_share=nan, signal_share_first=nan, questions_trained=nan, replay_top_share=nan,
                 replayed_grad_share=nan)
-  m = run_data.mechanism_stats(r.questions, last_step=last)
+  m = outputs.mechanism_stats(r.questions, last_step=last)
   # The replayed rows' share of the gradient's norm, over the logged steps that trained replayed rows.
   shares = [row[_GRAD_SHARE] for step, row in r.rows.items() if step <= last and _GRAD_SHARE in row
             and row.get("policy/replayed/tokens", 0) > 0]
@@ -135,9 +135,9 @@ def _mechanism(r: run_data.RunData, last: int) -> dict:
 _GRAD_SHARE = "policy/replayed_grad_share"
 
 
-def summarize(runs: Sequence[run_data.RunData], *, budget_tokens: float | None = None,
+def summarize(runs: Sequence[outputs.RunData], *, budget_tokens: float | None = None,
               baseline: str | None = None, wall_reference: str = "grpo") -> Summary:
-  """The results tables. Budget: `budget_tokens`, or the smallest total any RL run generated (compare.py's doc).
+  """The results tables. Budget: `budget_tokens`, or the smallest total any RL run generated (compare/runner.py's doc).
 
   Besides each figure's mean over seeds, the tables have paired differences: a run's gain over its own step-0
   accuracy, and its figures minus those of the `baseline` arm's run with the same seed (default: the first arm). A
@@ -177,7 +177,7 @@ def summarize(runs: Sequence[run_data.RunData], *, budget_tokens: float | None =
     rows = [r for r in per_run if r["method"] == method]
     row = {"method": method, "seeds": len(rows), "budget_tokens": budget}
     for key in _STATS:
-      mean, half = run_data.confidence_interval([r[key] for r in rows])
+      mean, half = outputs.confidence_interval([r[key] for r in rows])
       row[f"{key}_mean"], row[f"{key}_ci95"] = float(mean), float(half)
     methods.append(row)
   return Summary(budget_tokens=budget, baseline=baseline, methods=methods, runs=per_run, pass_key=metric)

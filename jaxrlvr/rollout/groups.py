@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxrlvr import data as data_lib
 from jaxrlvr import replay
-from jaxrlvr import sampling
+from jaxrlvr.rollout import sampler
 
 
 class PromptBook:
@@ -61,21 +61,21 @@ class SamplerSettings:
   top_k: int
   eos_ids: tuple[int, ...]
   pad_id: int
-  # Memory bounds of a sampler call (config rollout.*; `sampling.generate`'s arguments of the same names), 0: off.
+  # Memory bounds of a sampler call (config rollout.*; `sampler.generate`'s arguments of the same names), 0: off.
   max_rows_per_device: int = 0
   prefill_rows_per_device: int = 0
   prefill_chunk_tokens: int = 0
-  # How the sampler decodes (config rollout.*; `sampling.generate`'s arguments of the same names).
+  # How the sampler decodes (config rollout.*; `sampler.generate`'s arguments of the same names).
   engine: str = "static"
   decode_slots: int = 0
   decode_chunk_steps: int = 16
   decode_weights: str = "replicated"
 
   def memory_limits(self) -> dict[str, int]:
-    return {name: getattr(self, name) for name in sampling.MEMORY_LIMITS}
+    return {name: getattr(self, name) for name in sampler.MEMORY_LIMITS}
 
   def engine_settings(self) -> dict:
-    return {name: getattr(self, name) for name in sampling.ENGINE_SETTINGS}
+    return {name: getattr(self, name) for name in sampler.ENGINE_SETTINGS}
 
 
 def decode(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
@@ -117,7 +117,7 @@ class ScoreAsRowsFinish:
       rewards[rows] = scores
       info.update(counts)
     if np.isnan(rewards).any():
-      raise RuntimeError(f"rollout.py: the sampler handed over {int((~np.isnan(rewards)).sum())} of "
+      raise RuntimeError(f"rollout/groups.py: the sampler handed over {int((~np.isnan(rewards)).sum())} of "
                          f"{len(rewards)} rows")  # a sampler bug, never a user's
     info["batches"] = len(self._batches)
     return rewards, dict(info)
@@ -139,7 +139,7 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
     prompts = [book.prompt_ids(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
     answers = [book.answer(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
     with ScoreAsRowsFinish(reward_pool, book.tokenizer, answers) as scorer:
-      out = sampling.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
+      out = sampler.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
                               rng=jax.random.fold_in(rng, delay), temperature=settings.temperature,
                               top_p=settings.top_p, top_k=settings.top_k, eos_ids=settings.eos_ids,
                               pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
@@ -238,24 +238,6 @@ def record_logprobs(groups: Sequence[replay.Group], logprobs: np.ndarray) -> Non
   for row, r in enumerate(rollouts):
     if not r.replayed:
       r.logprobs = np.asarray(logprobs[row, :len(r.tokens)], np.float32).copy()
-
-
-def dense_reward_groups(groups: Sequence[replay.Group], book: PromptBook, *, completion_len: int) -> list:
-  """ExpRL: the final groups as the judge's RolloutGroups (question, hidden reference solution, padded token ids)."""
-  from jaxrlvr.rewards import dense  # pylint: disable=g-import-not-at-top
-  out = []
-  for g in groups:
-    ids = np.zeros((len(g.rollouts), completion_len), np.int32)
-    for i, r in enumerate(g.rollouts):
-      ids[i, :len(r.tokens)] = r.tokens
-    example = book.example(g.qid)
-    if not example.solution:
-      raise ValueError(f"ExpRL needs a reference solution: question {g.qid} of {book.source!r} has none "
-                       "(set data.solution_field)")
-    out.append(dense.RolloutGroup(question=example.question, reference=example.solution, token_ids=ids,
-                                  lengths=np.array([len(r.tokens) for r in g.rollouts]),
-                                  finished=np.array([r.finished for r in g.rollouts])))
-  return out
 
 
 def answer_entropy_batch(book: PromptBook, score_requests: Sequence[replay.ScoreRequest], *, prompt_len: int,

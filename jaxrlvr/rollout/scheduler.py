@@ -1,7 +1,7 @@
 """The rollout engine, host side: a queue of rows, the slots they occupy, and the loop of insert / decode / harvest.
 
-`generate` samples like `jaxrlvr.sampling.generate` (same arguments, same `SampleOutput`, same row randomness) but
-through the engine of `engine.py`:
+`generate` samples like `jaxrlvr.rollout.generate` (same arguments, same `SampleOutput`, same row randomness) but
+through the engine of `rollout/engine.py`:
 
   queue of rows (prompt, row key) in the order given
   loop:
@@ -35,10 +35,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlvr import engine
-from jaxrlvr import sampling_batches
-from jaxrlvr.sampling_batches import bucket_length
-from jaxrlvr.sampling_core import SampleOutput
+from jaxrlvr.rollout import bounded
+from jaxrlvr.rollout import engine
+from jaxrlvr.rollout.bounded import bucket_length
+from jaxrlvr.rollout.decode import SampleOutput
 
 MIN_SLOTS_PER_DEVICE = 4  # compaction stops here: below it a decode step costs about the same whatever the rows
 DEFAULT_CHUNK_STEPS = 16
@@ -53,19 +53,19 @@ def _slot_order(num_slots: int, shards: int) -> list[int]:
 
 def _check(prompts: Sequence[Sequence[int]], vocab_size: int | None, decode_slots: int, chunk_steps: int) -> None:
   if not prompts:
-    raise ValueError("engine_scheduler.py: generate got an empty list of prompts")
+    raise ValueError("rollout/scheduler.py: generate got an empty list of prompts")
   for row, prompt in enumerate(prompts):
     if len(prompt) == 0:
-      raise ValueError(f"engine_scheduler.py: prompt {row} is empty; every prompt needs at least one token")
+      raise ValueError(f"rollout/scheduler.py: prompt {row} is empty; every prompt needs at least one token")
     if vocab_size is not None and (max(prompt) >= vocab_size or min(prompt) < 0):
-      raise ValueError(f"engine_scheduler.py: prompt {row} has token ids outside [0, vocab_size={vocab_size})")
+      raise ValueError(f"rollout/scheduler.py: prompt {row} has token ids outside [0, vocab_size={vocab_size})")
   for name, value in (("decode_slots", decode_slots), ("decode_chunk_steps", chunk_steps)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-      raise ValueError(f"engine_scheduler.py: {name}={value!r} must be an integer >= 0")
+      raise ValueError(f"rollout/scheduler.py: {name}={value!r} must be an integer >= 0")
   if chunk_steps < 1:
-    raise ValueError(f"engine_scheduler.py: decode_chunk_steps={chunk_steps} must be >= 1")
+    raise ValueError(f"rollout/scheduler.py: decode_chunk_steps={chunk_steps} must be >= 1")
   if jax.process_count() > 1:
-    raise ValueError("engine_scheduler.py: the rollout engine runs in one process; with several processes set "
+    raise ValueError("rollout/scheduler.py: the rollout engine runs in one process; with several processes set "
                      "rollout.engine='static'")
 
 
@@ -76,7 +76,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
              pad_batch_to: int = 1, row_keys: Sequence[int] | None = None, decode_weights: str = "replicated",
              stats: dict | None = None,
              on_rows_done: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> SampleOutput:
-  """Samples `max_new_tokens` tokens after each prompt through the engine; see `jaxrlvr.sampling.generate` for the
+  """Samples `max_new_tokens` tokens after each prompt through the engine; see `jaxrlvr.rollout.generate` for the
   arguments they share and the outputs.
 
   Args (the engine's own):
@@ -99,14 +99,14 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   """
   limits = {"max_rows_per_device": 0, "prefill_rows_per_device": prefill_rows_per_device,
             "prefill_chunk_tokens": prefill_chunk_tokens}
-  sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
+  bounded.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
   _check(prompts, vocab, decode_slots, chunk_steps)
   rows, n = len(prompts), int(max_new_tokens)
   keys = np.arange(rows, dtype=np.int32) if row_keys is None else np.asarray(row_keys, np.int32)
   if keys.shape != (rows,):
-    raise ValueError(f"engine_scheduler.py: row_keys has {keys.size} entries for {rows} prompts")
-  shards = sampling_batches.batch_shards(mesh)
+    raise ValueError(f"rollout/scheduler.py: row_keys has {keys.size} entries for {rows} prompts")
+  shards = bounded.batch_shards(mesh)
   multiple = int(np.lcm(int(pad_batch_to), shards))
   padded_rows = -(-rows // multiple) * multiple
   num_slots = padded_rows if decode_slots == 0 else min(decode_slots * shards, padded_rows)
@@ -123,7 +123,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a legacy uint32 key (jax.random.PRNGKey)
     rng = jax.random.wrap_key_data(rng)
   if decode_weights not in DECODE_WEIGHTS:
-    raise ValueError(f"engine_scheduler.py: decode_weights={decode_weights!r} is not one of {DECODE_WEIGHTS}")
+    raise ValueError(f"rollout/scheduler.py: decode_weights={decode_weights!r} is not one of {DECODE_WEIGHTS}")
   graphdef, params = nnx.split(model)
   if mesh is not None and decode_weights == "replicated":
     params = engine.decode_layout(params, mesh, model.config.compute_dtype)
@@ -133,7 +133,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                            segment_sizes=(engine.FIRST_SEGMENT, engine.MAX_SEGMENT))
   fns = engine.compiled(spec)
   replicate = functools.partial(_put_replicated, mesh)  # the scalars
-  controls = engine.Controls(rng=replicate(rng), stop_ids=replicate(sampling_batches.stop_array(eos_ids)),
+  controls = engine.Controls(rng=replicate(rng), stop_ids=replicate(bounded.stop_array(eos_ids)),
                              temperature=replicate(np.asarray(temperature, np.float32)),
                              top_p=replicate(np.asarray(top_p, np.float32)))
   # Once the queue is empty a row has at most N steps left: ceil(N / chunk) chunks, so that many boundaries minus one.
@@ -163,7 +163,7 @@ def _put_replicated(mesh: Any, x: Any) -> Any:
 
 def _put_by_shard(mesh: Any, x: Any) -> Any:
   """`x` split along its dim 0 over the batch shards of `mesh` (as it is without one)."""
-  return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P(sampling_batches.BATCH_AXES)))
+  return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P(bounded.BATCH_AXES)))
 
 
 def _warm_up(fns: engine.Compiled, params: Any, controls: engine.Controls, sizes: list[int], shards: int,
@@ -375,7 +375,7 @@ class _Run:
     self.known_step[rows] = step
     done = rows[report.done[slots]]
     if not len(done) and steps == 0 and not chunk.ahead:
-      raise RuntimeError("engine_scheduler.py: a decode chunk made no progress")  # a scheduler bug, never expected
+      raise RuntimeError("rollout/scheduler.py: a decode chunk made no progress")  # a scheduler bug, never expected
     self.lengths[done] = self.known_step[done]
     for row in done.tolist():
       self.occupant[self.slot_of.pop(row)] = -1

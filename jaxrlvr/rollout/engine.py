@@ -1,5 +1,5 @@
 """The rollout engine, device side: a fixed batch of decode slots, prompts prefilled into free slots, jitted decode
-chunks. The host side (which row goes where, when rows leave and enter) is `engine_scheduler.py`.
+chunks. The host side (which row goes where, when rows leave and enter) is `rollout/scheduler.py`.
 
 Why: a static batch is decoded until its longest row stops, and every step attends over the whole preallocated
 cache. RL answers spread from a few tokens to the cap, so most of that work is wasted. Here a row leaves its slot as
@@ -42,9 +42,9 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlvr.models.transformer import apply_rope, rope_inv_freq
-from jaxrlvr.sampling_batches import BATCH_AXES
-from jaxrlvr.sampling_core import sample
+from jaxrlvr.models import apply_rope, rope_inv_freq
+from jaxrlvr.rollout.bounded import BATCH_AXES
+from jaxrlvr.rollout.decode import sample
 
 TENSOR_AXIS = "tensor"
 FIRST_SEGMENT = 64  # cache slots of the first segment; each next one doubles, up to MAX_SEGMENT
@@ -464,7 +464,7 @@ def _compact(spec: EngineSpec, state: EngineState, keep: jax.Array) -> EngineSta
 @dataclasses.dataclass(frozen=True)
 class Compiled:
   """The jitted functions of one spec; jax.jit compiles one executable per input shape (S, U, Lb). `warmed` holds
-  the slot counts whose whole chain of shapes has been compiled (`engine_scheduler._warm_up`)."""
+  the slot counts whose whole chain of shapes has been compiled (`scheduler._warm_up`)."""
   init: Any
   insert: Any
   decode_chunk: Any

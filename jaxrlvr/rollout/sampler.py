@@ -20,14 +20,14 @@ Conventions the trainer relies on:
   without recompiling) and pad_id are traced.
 - Bounded memory (`generate`'s max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens; 0 switches each
   off): the prompts are cut into sampler calls of at most max_rows_per_device rows per batch shard, one compiled
-  shape for all of them (`sampling_batches.py`); within a call the prefill writes the cache a block of rows at a time
+  shape for all of them (`rollout/bounded.py`); within a call the prefill writes the cache a block of rows at a time
   (prefill_rows_per_device rows of every device) and each block's prompt a chunk of prefill_chunk_tokens slots at a
   time, so the prefill's activations are those of one block and chunk. None of this changes a row's samples: the
   results are those of the unsplit call up to float rounding (the tests hold tokens exactly, float32 log-probs to
   1e-6). The cache and the decode are those of the whole call.
-- `engine="continuous"` hands the call to the rollout engine (`engine.py` on the device, `engine_scheduler.py` on the
+- `engine="continuous"` hands the call to the rollout engine (`rollout/engine.py` on the device, `rollout/scheduler.py` on the
   host): fixed decode slots that rows leave as they stop and queued rows enter, the same row randomness and outputs.
-  The token draw itself (`SampleOutput`, `sample_logits`) lives in `sampling_core.py`, shared by both.
+  The token draw itself (`SampleOutput`, `sample_logits`) lives in `rollout/decode.py`, shared by both.
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlvr import engine_scheduler
 from jaxrlvr import multihost
-from jaxrlvr import sampling_batches
-from jaxrlvr.sampling_batches import BATCH_AXES, MEMORY_LIMITS, bucket_length  # noqa: F401  (the public names)
+from jaxrlvr.rollout import bounded
+from jaxrlvr.rollout import scheduler
+from jaxrlvr.rollout.bounded import BATCH_AXES, MEMORY_LIMITS, bucket_length  # noqa: F401  (the public names)
 
-from jaxrlvr.sampling_core import SampleOutput, sample_logits  # noqa: F401  (the public names)
-from jaxrlvr.sampling_core import sample as _sample
+from jaxrlvr.rollout.decode import SampleOutput, sample_logits  # noqa: F401  (the public names)
+from jaxrlvr.rollout.decode import sample as _sample
 
 TENSOR_AXIS = "tensor"
 ENGINES = ("static", "continuous")  # `generate`'s engine (config rollout.engine)
@@ -183,7 +183,7 @@ def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: ja
   batch = ids.shape[0]
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
   state = _initial_state(spec, ids, mask, real, row_keys, controls, None, _vocab_size(model))
-  shards = sampling_batches.batch_shards(spec.mesh)
+  shards = bounded.batch_shards(spec.mesh)
   per_device = batch // shards
   if 0 < spec.prefill_rows < per_device:
     cache, last = _prefill_row_blocks(spec, params, ids, positions, state.key_mask, shards, spec.prefill_rows)
@@ -336,7 +336,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
              pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, use_cache: bool = True,
              return_logits: bool = False, pad_batch_to: int = 1, max_rows_per_device: int = 0,
              prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0, engine: str = "static",
-             decode_slots: int = 0, decode_chunk_steps: int = engine_scheduler.DEFAULT_CHUNK_STEPS,
+             decode_slots: int = 0, decode_chunk_steps: int = scheduler.DEFAULT_CHUNK_STEPS,
              decode_weights: str = "replicated", on_rows_done: Any = None) -> SampleOutput:
   """Samples `max_new_tokens` tokens after each prompt (a list of token-id lists, ragged).
 
@@ -362,7 +362,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
       activations); 0, or at least the call's rows per device, prefills them all at once.
     prefill_chunk_tokens: > 0 writes each prompt into the cache that many slots at a time (the last chunk overlaps
       the one before when it does not divide the bucket); 0, or at least the bucket, the whole bucket at once.
-    engine: "static" samples as above; "continuous" samples through the rollout engine (`engine_scheduler.py`):
+    engine: "static" samples as above; "continuous" samples through the rollout engine (`rollout/scheduler.py`):
       rows leave their decode slot when they stop and queued rows take it, with the same row randomness. One
       process only, with the cache; its slots per batch shard are `decode_slots`, else max_rows_per_device, else
       one per row; `decode_chunk_steps` decode steps run between two looks at which rows are done;
@@ -376,21 +376,21 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   """
   limits = dict(zip(MEMORY_LIMITS, (max_rows_per_device, prefill_rows_per_device, prefill_chunk_tokens)))
   if engine not in ENGINES:
-    raise ValueError(f"sampling.py: engine={engine!r} is not one of {ENGINES}")
+    raise ValueError(f"rollout/sampler.py: engine={engine!r} is not one of {ENGINES}")
   if engine == "continuous":
     if not use_cache or return_logits:
-      raise ValueError("sampling.py: engine='continuous' samples with the cache and returns no logits; use "
+      raise ValueError("rollout/sampler.py: engine='continuous' samples with the cache and returns no logits; use "
                        "engine='static' for use_cache=False or return_logits=True")
-    sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
-    return engine_scheduler.generate(
+    bounded.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
+    return scheduler.generate(
         model, prompts, max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, top_k=top_k,
         eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, decode_slots=decode_slots or max_rows_per_device,
         chunk_steps=decode_chunk_steps, prefill_rows_per_device=prefill_rows_per_device,
         prefill_chunk_tokens=prefill_chunk_tokens, pad_batch_to=pad_batch_to, decode_weights=decode_weights,
         on_rows_done=on_rows_done)
-  sampling_batches.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
+  bounded.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-  calls = sampling_batches.plan_calls(prompts, pad_id=pad_id, vocab_size=vocab, mesh=mesh, pad_batch_to=pad_batch_to,
+  calls = bounded.plan_calls(prompts, pad_id=pad_id, vocab_size=vocab, mesh=mesh, pad_batch_to=pad_batch_to,
                                       max_rows_per_device=int(max_rows_per_device))
   if isinstance(rng, int):
     rng = jax.random.key(rng)
@@ -401,7 +401,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                nucleus=top_p < 1.0, return_logits=bool(return_logits), mesh=mesh,
                prefill_rows=int(prefill_rows_per_device), prefill_tokens=int(prefill_chunk_tokens))
   prefill, decode, uncached = _compiled(spec)
-  scalars = (sampling_batches.stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
+  scalars = (bounded.stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
              np.asarray(top_p, np.float32))
   if mesh is not None:
     rng = jax.random.wrap_key_data(_to_global(mesh, np.asarray(jax.random.key_data(rng)), P()),

@@ -1,12 +1,11 @@
-"""Figures: a method comparison, one PNG per question, the x axis in generated rollout tokens (the budget) but for
+"""Figures of a method comparison, one PNG per question, the x axis in generated rollout tokens (the budget) but for
 accuracy against training time (`accuracy_vs_wall`, where the supervised control, which generates no tokens, meets
-the RL runs); and one run's summary against RL steps (`run_summary`, the DIR/summary.png the trainer redraws at every
-evaluation).
+the RL runs). One run's own summary against RL steps is the run's output (outputs/summary.py).
 
 Comparison curves are per arm (a method or a variant of one): the mean over seeds with a band of the 95% t-interval
 (no band with one seed).
 Per-step metrics are smoothed with a trailing moving average before averaging, since a step's batch is small and
-noisy. Inputs are `run_data.RunData` objects (anything with .method, .seed, .tokens and .series(key)).
+noisy. Inputs are `outputs.RunData` objects (anything with .method, .seed, .tokens and .series(key)).
 """
 import os
 import warnings
@@ -18,7 +17,8 @@ from matplotlib import ticker
 # leaves its inline plots alone, and it runs without a display in CI and on pods.
 from matplotlib.figure import Figure
 
-from jaxrlvr import run_data
+from jaxrlvr import outputs
+from jaxrlvr.outputs import smooth
 
 _GRID = 101  # points of the common budget axis every run is interpolated onto
 _COLORS = {"grpo": "black", "exgrpo": "tab:red", "advantage_priority": "tab:blue", "bapo": "tab:green",
@@ -32,19 +32,6 @@ def _color(method: str, methods: Sequence[str]) -> str:
     return _COLORS[method]
   others = [m for m in methods if m not in _COLORS]
   return _EXTRA_COLORS[others.index(method) % len(_EXTRA_COLORS)]
-
-
-def smooth(values: np.ndarray, window: int) -> np.ndarray:
-  """Trailing moving average (shorter at the start) that skips NaNs; a window of 1 returns the values."""
-  values = np.asarray(values, np.float64)
-  if window <= 1 or len(values) == 0:
-    return values
-  ok = ~np.isnan(values)
-  sums = np.cumsum(np.where(ok, values, 0.0))
-  counts = np.cumsum(ok)
-  lag = lambda a: np.concatenate([np.zeros(window), a[:-window]]) if len(a) > window else np.zeros_like(a)
-  n = counts - lag(counts)
-  return np.where(n > 0, (sums - lag(sums)) / np.maximum(n, 1), np.nan)
 
 
 def _nanmean(values, axis: int = 0):
@@ -72,7 +59,7 @@ def _band(ax, grid: np.ndarray, curves: np.ndarray, color: str, label: str, boun
     mean = _nanmean(curves)
     half = np.full_like(mean, np.nan)
   else:
-    mean, half = run_data.confidence_interval(curves)
+    mean, half = outputs.confidence_interval(curves)
   n = len(curves)
   ax.plot(grid, mean, color=color, label=f"{label} (n={n})", lw=1.6, zorder=3)  # lines above every band
   if not np.all(np.isnan(half)):
@@ -110,7 +97,7 @@ def _regime(regime: str) -> str:
   return f" ({regime})" if regime else ""
 
 
-def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = run_data.ACCURACY_KEY,
+def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = outputs.ACCURACY_KEY,
                        ylabel: str = "held-out accuracy (greedy)", name: str = "Held-out accuracy",
                        regime: str = "") -> str | None:
   """An evaluation metric (greedy accuracy; or pass@k) against tokens: evaluations joined linearly, the last one
@@ -148,7 +135,7 @@ def _budget_curve(run, key: str, grid: np.ndarray) -> np.ndarray:
   return np.interp(grid, x[keep], y[keep]) if x[keep][0] == 0 else _interp(grid, x[keep], y[keep])
 
 
-def paired_vs_budget(runs, budget: float, path: str, *, baseline: str, key: str = run_data.ACCURACY_KEY,
+def paired_vs_budget(runs, budget: float, path: str, *, baseline: str, key: str = outputs.ACCURACY_KEY,
                      name: str = "held-out accuracy", regime: str = "") -> str | None:
   """Each arm's metric minus the `baseline` run of the same seed against tokens, mean and 95% band over the seeds
   that have both: the paired difference the results table reads, along the budget. A seed moves accuracy by more
@@ -184,7 +171,7 @@ def accuracy_vs_wall(runs, path: str, *, regime: str = "") -> str:
   for method, members in groups.items():
     curves = []
     for r in members:
-      steps, _, y = r.series(run_data.ACCURACY_KEY)
+      steps, _, y = r.series(outputs.ACCURACY_KEY)
       x = np.asarray([r.wall[s] for s in steps], np.float64)
       curves.append(_interp(grid, x, y))
       ax.plot(x, y, ".", color=_color(method, groups), alpha=0.35, ms=4)
@@ -347,78 +334,3 @@ def write_all(runs, budget: float, outdir: str, *, regime: str = "", baseline: s
       ratio_stats(runs, budget, out(outdir, "ratio_stats.png")),
   ]
   return [p for p in paths if p is not None]
-
-
-# ------------------------------------------------------------------------------------------------ One run
-def run_summary(rows: dict[int, dict], path: str, *, title: str, total_steps: int | None = None) -> str:
-  """One run at a glance against RL steps: held-out accuracy (all questions, and per data source when there are
-  several), the batch solve rate, response lengths, and the replayed share of each batch. `rows` is {step: row} of
-  the run's metrics.jsonl (`run_data.read_rows`); the x axis runs to `total_steps` so the figure shows how far along
-  the run is."""
-  def series(key: str) -> tuple[np.ndarray, np.ndarray]:
-    steps = [s for s in sorted(rows) if key in rows[s]]
-    return np.asarray(steps, np.int64), np.asarray([rows[s][key] for s in steps], np.float64)
-
-  fig = Figure(figsize=(11, 7.5))
-  (accuracy_ax, solve_ax), (length_ax, replay_ax) = fig.subplots(2, 2, sharex=True)
-  eval_steps, accuracy = series(run_data.ACCURACY_KEY)
-  sources = sorted(k for k in {k for row in rows.values() for k in row}
-                   if k.startswith("eval/") and k.endswith("/accuracy") and k != run_data.ACCURACY_KEY)
-  for i, key in enumerate(sources):
-    source = key[len("eval/"):-len("/accuracy")]
-    accuracy_ax.plot(*series(key), ".-", color=f"C{i}", lw=1, ms=4, alpha=0.7, label=source)
-  accuracy_ax.plot(eval_steps, accuracy, "o-", color="black", lw=2, ms=5, label="all held-out questions", zorder=3)
-  accuracy_ax.set(ylim=(-0.02, 1.02), ylabel="held-out accuracy (greedy)", title="Held-out accuracy")
-
-  _per_step(solve_ax, *series("rollout/solve_rate"), color="tab:blue", label="correct / sampled rollouts")
-  solve_ax.set(ylim=(-0.02, 1.02), ylabel="batch solve rate", title="Solve rate of the sampled rollouts")
-
-  _per_step(length_ax, *series("rollout/response_length"), color="tab:orange", label="sampled rollouts (mean)")
-  length_ax.plot(*series("eval/response_length"), "o-", color="black", lw=1.5, ms=4, label="held-out, greedy (mean)")
-  length_ax.set_ylim(bottom=0)
-  length_ax.set(ylabel="response length (tokens)", title="Response length")
-
-  share_steps, share = series("replay/replayed_share")
-  _per_step(replay_ax, share_steps, share, color="tab:red", label="replayed rollouts / batch rollouts")
-  token_steps = [s for s in sorted(rows) if "policy/replayed/tokens" in rows[s] and "policy/fresh/tokens" in rows[s]]
-  replayed, fresh = (np.asarray([rows[s][f"policy/{kind}/tokens"] for s in token_steps], np.float64)
-                     for kind in ("replayed", "fresh"))
-  _per_step(replay_ax, np.asarray(token_steps, np.int64), replayed / np.maximum(replayed + fresh, 1.0),
-            color="tab:purple", label="replayed tokens / trained tokens")
-  if not np.nan_to_num(share).any():
-    replay_ax.text(0.5, 0.5, "no rollout replayed so far" if len(share) else "no training step logged yet",
-                   transform=replay_ax.transAxes, ha="center", va="center", color="gray")
-  replay_ax.set(ylim=(-0.02, 1.02), ylabel="replayed share", title="Replay in the update batch")
-
-  last = max(rows) if rows else 0
-  for ax in (accuracy_ax, solve_ax, length_ax, replay_ax):
-    ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-    right = max(total_steps or 0, last, 1)
-    ax.set_xlim(-0.01 * right, 1.01 * right)  # the margin keeps the markers of step 0 and the last step whole
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=8, loc="best")
-  for ax in (length_ax, replay_ax):
-    ax.set_xlabel("RL step")
-  progress = f"step {last}" + (f" of {total_steps}" if total_steps else "")
-  if len(accuracy):
-    progress += (f"; held-out accuracy {accuracy[0]:.3f} (step {eval_steps[0]}) -> {accuracy[-1]:.3f} "
-                 f"(step {eval_steps[-1]})")
-  fig.suptitle(f"{title}\n{progress}")
-  # Fixed margins rather than tight_layout, which measures every label and would double the drawing time.
-  fig.subplots_adjust(left=0.065, right=0.985, bottom=0.075, top=0.87, wspace=0.17, hspace=0.2)
-  fig.savefig(path, dpi=100)
-  return path
-
-
-def _per_step(ax, steps: np.ndarray, values: np.ndarray, *, color: str, label: str) -> None:
-  """A per-step metric: the logged values, faint, and over many steps a trailing moving average on top (one step's
-  batch is small and noisy)."""
-  if not len(values):
-    return
-  window = len(values) // 20 if len(values) >= 40 else 1
-  if window <= 1:
-    ax.plot(steps, values, ".-", color=color, lw=1.2, ms=4, label=label)
-    return
-  ax.plot(steps, values, color=color, lw=0.8, alpha=0.3)
-  ax.plot(steps, smooth(values, window), color=color, lw=1.8, label=f"{label} ({window}-step moving average)")

@@ -14,7 +14,7 @@ import tqdm
 from absl import logging
 from tensorboardX import SummaryWriter
 
-from jaxrlvr import run_data
+from jaxrlvr.outputs import records
 
 # Shown in the progress bar, in this order, when present.
 _PROGRESS_KEYS = (("rollout/solve_rate", "solve"), ("eval/accuracy", "eval"), ("time/step_s", "s/step"),
@@ -34,7 +34,7 @@ def to_python(value):
 class MetricWriter:
   """Appends to DIR/metrics.jsonl and TensorBoard; keeps the last value of each metric for the progress bar.
 
-  With `summary_title`, every row that holds an evaluation also redraws DIR/summary.png (`plots.run_summary`, titled
+  With `summary_title`, every row that holds an evaluation also redraws DIR/summary.png (`summary.run_summary`, titled
   so) from every row of metrics.jsonl, a resumed run's earlier ones included. The final step always evaluates, so the
   last picture is the finished run. The figure is drawn in a background thread (a third of a second, and two for the
   first import of matplotlib) while training goes on; the next drawing and `close` wait for it.
@@ -58,7 +58,7 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     if summary_title is not None:
-      self._rows = run_data.read_rows(path) if os.path.exists(path) else {}
+      self._rows = records.read_rows(path) if os.path.exists(path) else {}
       self._drawer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="summary")
     self._jsonl = open(path, "a", encoding="utf-8")
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -78,7 +78,7 @@ class MetricWriter:
     self._tb.flush()
     self.latest.update(row)
     self._rows[row["step"]] = row
-    if run_data.ACCURACY_KEY in row:
+    if records.ACCURACY_KEY in row:
       logging.info("step %d: %s", step, eval_line(row))
       if self._drawer is not None:
         self._wait_for_summary()
@@ -120,10 +120,10 @@ class MetricWriter:
 
 def _draw_summary(rows: dict[int, dict], path: str, *, title: str, total_steps: int) -> str:
   # Imported here, in the drawing thread: matplotlib takes seconds to import, and only a writer that draws needs it.
-  from jaxrlvr import plots  # pylint: disable=g-import-not-at-top
+  from jaxrlvr.outputs import summary
   # Drawn beside it, then renamed over it: an image viewer that reloads the file never reads half a PNG.
   partial = os.path.join(os.path.dirname(path), ".partial-" + os.path.basename(path))
-  plots.run_summary(rows, partial, title=title, total_steps=total_steps)
+  summary.run_summary(rows, partial, title=title, total_steps=total_steps)
   os.replace(partial, path)
   return path
 
@@ -131,10 +131,10 @@ def _draw_summary(rows: dict[int, dict], path: str, *, title: str, total_steps: 
 def eval_line(row: dict) -> str:
   """An evaluation row in one line: accuracy, then pass@k, avg@k and the greedy response length when present (the
   per-source values are in metrics.jsonl and the summary figure)."""
-  parts = [f"held-out accuracy {row[run_data.ACCURACY_KEY]:.3f}"]
+  parts = [f"held-out accuracy {row[records.ACCURACY_KEY]:.3f}"]
   for key in sorted(row):
     name = key[len("eval/"):]
-    if key.startswith("eval/") and "/" not in name and key != run_data.ACCURACY_KEY:
+    if key.startswith("eval/") and "/" not in name and key != records.ACCURACY_KEY:
       parts.append(f"{name} {row[key]:.3g}")
   return ", ".join(parts)
 

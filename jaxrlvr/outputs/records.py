@@ -1,5 +1,5 @@
 """A run's metrics read back from its workdir, and the interval over seeds: what the comparison's table
-(compare_stats.py) and its figures (plots.py) share, so that neither needs the other to read a run.
+(compare/stats.py) and its figures (compare/plots.py) share, so that neither needs the other to read a run.
 
 Besides metrics.jsonl a run writes DIR/questions.jsonl (`append_questions`, called by the trainer at every step):
 each sampled group's question id, kind ('fresh', 'replay', 'reroll'), correct answers and samples, and of the groups
@@ -7,7 +7,7 @@ the update trains on, how many carry signal and which questions their replayed r
 It is what the share of questions "0 of K at the first visit, solved at a later one" (`visit_stats`) is computed
 from: every method gets it, so BAPO's claim can be set against GRPO's. A few hundred bytes a step; with several
 processes host 0 writes its own groups only (a random part of the questions). A supervised control run
-(sft_control.py) writes DIR/sft_control.json, which marks its RunData as kind 'sft'.
+(compare/sft_control.py) writes DIR/sft_control.json, which marks its RunData as kind 'sft'.
 """
 import collections
 import dataclasses
@@ -30,7 +30,7 @@ class RunData:
   """One run's metrics: the last row logged for each step (a resumed run logs the steps after its checkpoint twice)
   and the cumulative generated tokens at each step (step 0 -> 0)."""
   name: str
-  method: str  # the arm: a method config, or a named variant of one (compare_arms.py)
+  method: str  # the arm: a method config, or a named variant of one (compare/arms.py)
   seed: int
   rows: dict[int, dict]
   tokens: dict[int, float]
@@ -210,3 +210,16 @@ def confidence_interval(values, confidence: float = 0.95, axis: int = 0):
   from scipy import stats  # pylint: disable=g-import-not-at-top  (half a second; the trainer reads runs without it)
   sem = values.std(axis=axis, ddof=1) / math.sqrt(n)
   return mean, stats.t.ppf(0.5 + confidence / 2, n - 1) * sem
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+  """Trailing moving average (shorter at the start) that skips NaNs; a window of 1 returns the values."""
+  values = np.asarray(values, np.float64)
+  if window <= 1 or len(values) == 0:
+    return values
+  ok = ~np.isnan(values)
+  sums = np.cumsum(np.where(ok, values, 0.0))
+  counts = np.cumsum(ok)
+  lag = lambda a: np.concatenate([np.zeros(window), a[:-window]]) if len(a) > window else np.zeros_like(a)
+  n = counts - lag(counts)
+  return np.where(n > 0, (sums - lag(sums)) / np.maximum(n, 1), np.nan)

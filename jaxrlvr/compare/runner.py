@@ -4,12 +4,12 @@
     python -m jaxrlvr.compare --methods=grpo,exgrpo,advantage_priority,bapo --seeds=3 --outdir=/tmp/compare
 
 A preset is a regime (`fresh`, `data_limited`) with its default arms and seeds; an arm is a method config plus
-overrides, so an ablation is a row (compare_arms.py lists both). `--arms=grpo,exgrpo-no_shaping,sft` picks the arms,
+overrides, so an ablation is a row (compare/arms.py lists both). `--arms=grpo,exgrpo-no_shaping,sft` picks the arms,
 `--methods` names method configs as they are. Every arm x seed trains in `DIR/runs/<arm>-s<seed>` (the main job as a
 subprocess, one CPU device each, up to `--parallel` at a time); rerunning the command skips finished runs and resumes
 killed ones, because `train.run` continues from the checkpoints of its workdir. The `sft` arm runs the supervised
-control (sft_control.py) once the grpo run of its seed has finished, for as long as that run trained. Then
-`DIR/results.md`, `DIR/results.csv`, `DIR/runs.csv` and the plots are written (compare_stats.py says what each
+control (compare/sft_control.py) once the grpo run of its seed has finished, for as long as that run trained. Then
+`DIR/results.md`, `DIR/results.csv`, `DIR/runs.csv` and the plots are written (compare/stats.py says what each
 column is).
 
 How the runs get an equal budget. Methods generate different numbers of tokens per step (an ExGRPO replay question
@@ -36,29 +36,11 @@ import sys
 import time
 from collections.abc import Sequence
 
-from jaxrlvr import compare_arms
-from jaxrlvr import compare_stats
-from jaxrlvr import run_data
+from jaxrlvr import outputs
+from jaxrlvr.compare import arms as arms_lib
+from jaxrlvr.compare import stats as stats_lib
 
-REPO_ROOT = compare_arms.REPO_ROOT
-METHODS = compare_arms.METHODS
-TOKENS_KEY, ACCURACY_KEY = run_data.TOKENS_KEY, run_data.ACCURACY_KEY
-CompareError = compare_arms.CompareError
-
-# Reading runs lives in run_data.py (plots.py uses it too), the statistics and tables in compare_stats.py, presets and
-# arms in compare_arms.py; the names stay here too, where the notebooks and users reach them.
-RunData = run_data.RunData
-read_rows = run_data.read_rows
-cumulative_tokens = run_data.cumulative_tokens
-load_run = run_data.load_run
-confidence_interval = run_data.confidence_interval
-accuracy_at = compare_stats.accuracy_at
-area_under_curve = compare_stats.area_under_curve
-Summary = compare_stats.Summary
-summarize = compare_stats.summarize
-write_results = compare_stats.write_results
-method_config = compare_arms.method_config
-apply_override = compare_arms.apply_override
+CompareError = arms_lib.CompareError
 
 
 # ------------------------------------------------------------------------------------------------ Running
@@ -70,7 +52,7 @@ class RunSpec:
   log_path: str
   method: str = ""  # the config file configs/<method>.py; empty: the arm's name
   overrides: tuple[str, ...] = ()  # this run's own (the arm's), after the comparison's
-  kind: str = "rl"  # "rl" (the main job) or "sft" (sft_control.py)
+  kind: str = "rl"  # "rl" (the main job) or "sft" (compare/sft_control.py)
   after: str = ""  # the run whose end this one waits for (the sft control: the grpo run of its seed)
   flags: tuple[str, ...] = ()  # the control's own flags
 
@@ -106,7 +88,7 @@ def finished_step(workdir: str) -> int:
 
 def sft_finished_wall(workdir: str) -> float:
   """The training seconds a finished control run was asked for; 0 when it has not finished."""
-  path = os.path.join(workdir, run_data.SFT_FILE)
+  path = os.path.join(workdir, outputs.SFT_FILE)
   if not os.path.exists(path):
     return 0.0
   with open(path, encoding="utf-8") as f:
@@ -132,7 +114,7 @@ def run_env(threads: int) -> dict:
 
 def _config_flags(spec: RunSpec, *, smoke: bool, cache_dir: str, overrides: Sequence[str], configs_dir: str,
                   model: str = ""):
-  arg = compare_arms.config_arg(smoke=smoke, model=model)
+  arg = arms_lib.config_arg(smoke=smoke, model=model)
   cmd = [f"--config={os.path.join(configs_dir, spec.config_name + '.py')}{':' + arg if arg else ''}",
          f"--workdir={spec.workdir}", f"--config.seed={spec.seed}", "--config.reward.num_workers=1"]
   if cache_dir:
@@ -141,7 +123,7 @@ def _config_flags(spec: RunSpec, *, smoke: bool, cache_dir: str, overrides: Sequ
 
 
 def train_command(spec: RunSpec, *, steps: int, eval_every: int, smoke: bool, cache_dir: str,
-                  overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR,
+                  overrides: Sequence[str] = (), configs_dir: str = arms_lib.CONFIGS_DIR,
                   model: str = "") -> list[str]:
   flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir,
                         model=model)
@@ -150,11 +132,11 @@ def train_command(spec: RunSpec, *, steps: int, eval_every: int, smoke: bool, ca
 
 
 def sft_command(spec: RunSpec, *, wall_s: float, evals: int, smoke: bool, cache_dir: str,
-                overrides: Sequence[str] = (), configs_dir: str = compare_arms.CONFIGS_DIR,
+                overrides: Sequence[str] = (), configs_dir: str = arms_lib.CONFIGS_DIR,
                 model: str = "") -> list[str]:
   flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir,
                         model=model)
-  return [sys.executable, "-m", "jaxrlvr.sft_control", *flags, f"--wall_s={wall_s:.6f}", f"--evals={evals}",
+  return [sys.executable, "-m", "jaxrlvr.compare.sft_control", *flags, f"--wall_s={wall_s:.6f}", f"--evals={evals}",
           *spec.flags]
 
 
@@ -168,8 +150,8 @@ def run_one(spec: RunSpec, *, steps: int, budget_tokens: float | None, launch, m
         raise RuntimeError(f"{spec.name}: the main job exited with {code}; its log is {spec.log_path}")
     if budget_tokens is None:
       return steps
-    rows = read_rows(os.path.join(spec.workdir, "metrics.jsonl"))
-    tokens = cumulative_tokens(rows, source=spec.workdir)
+    rows = outputs.read_rows(os.path.join(spec.workdir, "metrics.jsonl"))
+    tokens = outputs.cumulative_tokens(rows, source=spec.workdir)
     done = max(tokens)
     if tokens[done] >= budget_tokens:
       return steps
@@ -180,8 +162,8 @@ def run_one(spec: RunSpec, *, steps: int, budget_tokens: float | None, launch, m
 
 def run_sft(spec: RunSpec, *, baseline_workdir: str, launch_sft) -> float:
   """The control run: as many training seconds as the baseline run (its `time/step_s` summed over every step it
-  trained). `launch_sft(spec, wall_s)` runs sft_control.py and returns its exit code. Returns the seconds."""
-  baseline = load_run(baseline_workdir)
+  trained). `launch_sft(spec, wall_s)` runs compare/sft_control.py and returns its exit code. Returns the seconds."""
+  baseline = outputs.load_run(baseline_workdir)
   wall_s = baseline.wall[max(baseline.rows)]
   if sft_finished_wall(spec.workdir) >= wall_s - 0.01:  # --wall_s passes it to the millisecond
     return wall_s
@@ -267,7 +249,7 @@ def subprocess_launcher(*, eval_every: int, smoke: bool, cache_dir: str, threads
   return launch, launch_sft
 
 
-def make_specs(arms: Sequence[compare_arms.Arm], seeds: int, outdir: str) -> list[RunSpec]:
+def make_specs(arms: Sequence[arms_lib.Arm], seeds: int, outdir: str) -> list[RunSpec]:
   """Every arm x seed, the control runs after the RL ones (run_all's order needs them last)."""
   specs = []
   for arm in sorted(arms, key=lambda a: a.kind != "rl"):
@@ -276,7 +258,7 @@ def make_specs(arms: Sequence[compare_arms.Arm], seeds: int, outdir: str) -> lis
       workdir, log_path = os.path.join(outdir, "runs", name), os.path.join(outdir, "logs", f"{name}.log")
       specs.append(RunSpec(arm.name, seed, workdir, log_path, method=arm.method, overrides=arm.overrides,
                            kind=arm.kind, flags=arm.flags,
-                           after=f"{compare_arms.BASELINE}-s{seed}" if arm.kind == "sft" else ""))
+                           after=f"{arms_lib.BASELINE}-s{seed}" if arm.kind == "sft" else ""))
   return specs
 
 
@@ -288,7 +270,7 @@ def _arm_names(f, chosen_preset) -> list[str]:
     return list(f.arms)
   if f["methods"].present:
     return list(f.methods)
-  return list(chosen_preset.arms if chosen_preset else METHODS)
+  return list(chosen_preset.arms if chosen_preset else arms_lib.METHODS)
 
 
 def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int) -> list[str]:
@@ -319,17 +301,17 @@ def _main(argv) -> int:
   f = flags.FLAGS
   started = time.time()
   outdir = os.path.abspath(f.outdir)
-  chosen = compare_arms.preset(f.preset) if f.preset else None
+  chosen = arms_lib.preset(f.preset) if f.preset else None
   seeds = f.seeds if f["seeds"].present or chosen is None else chosen.seeds
   if seeds < 1:
     raise CompareError(f"--seeds must be >= 1, got {seeds}")
   if f.budget_tokens is not None and f.budget_tokens <= 0:
     raise CompareError(f"--budget_tokens must be > 0, got {f.budget_tokens}")
   names = _arm_names(f, chosen)
-  arms = compare_arms.resolve_arms(names, f.configs_dir)
+  arms = arms_lib.resolve_arms(names, f.configs_dir)
   methods = dict.fromkeys(a.method for a in arms)
   model = f.model or (chosen.model if chosen else "")
-  configs = {m: method_config(m, smoke=f.smoke, configs_dir=f.configs_dir, model=model) for m in methods}
+  configs = {m: arms_lib.method_config(m, smoke=f.smoke, configs_dir=f.configs_dir, model=model) for m in methods}
   steps = f.steps or max(c.total_steps for c in configs.values())
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
   batch_size = max(c.rollout.batch_size for c in configs.values())
@@ -337,11 +319,11 @@ def _main(argv) -> int:
   specs = make_specs(arms, seeds, outdir)
   by_arm = {a.name: a for a in arms}
   for spec in specs:  # every arm's config checked now: a bad key or value stops here, before any run starts
-    config = compare_arms.arm_config(by_arm[spec.arm], seed=spec.seed, overrides=overrides, smoke=f.smoke,
+    config = arms_lib.arm_config(by_arm[spec.arm], seed=spec.seed, overrides=overrides, smoke=f.smoke,
                                      configs_dir=f.configs_dir, model=model)
     if not f.summarize_only:
       check_workdir(spec, config)
-  baseline = f.baseline or (compare_arms.BASELINE if compare_arms.BASELINE in names else names[0])
+  baseline = f.baseline or (arms_lib.BASELINE if arms_lib.BASELINE in names else names[0])
   if baseline not in names:
     raise CompareError(f"--baseline={baseline!r} is not one of the arms {names}")
   errors = {}
@@ -354,18 +336,18 @@ def _main(argv) -> int:
                                        budget_tokens=f.budget_tokens, launch_sft=launch_sft).items() if v}
     for name, error in errors.items():
       print(f"compare: {name} failed: {error}", file=sys.stderr)
-  runs = [load_run(s.workdir, method=s.arm, seed=s.seed) for s in specs
+  runs = [outputs.load_run(s.workdir, method=s.arm, seed=s.seed) for s in specs
           if s.name not in errors and os.path.exists(os.path.join(s.workdir, "metrics.jsonl"))
           and (s.kind == "rl" or sft_finished_wall(s.workdir))]
   missing = [s.name for s in specs if s.name not in {r.name for r in runs}]
   if not runs:
     raise RuntimeError(f"compare: no run in {outdir}/runs has metrics; failed: {sorted(errors)}")
-  summary = summarize(runs, budget_tokens=f.budget_tokens, baseline=baseline, wall_reference=compare_arms.BASELINE)
-  from jaxrlvr import plots  # pylint: disable=g-import-not-at-top  (matplotlib only where figures are drawn)
+  summary = stats_lib.summarize(runs, budget_tokens=f.budget_tokens, baseline=baseline, wall_reference=arms_lib.BASELINE)
+  from jaxrlvr.compare import plots  # pylint: disable=g-import-not-at-top  (matplotlib only where figures are drawn)
   title = chosen.name if chosen else ""
   figures = plots.write_all(runs, summary.budget_tokens, outdir, regime=title, baseline=baseline)
   command = "python -m jaxrlvr.compare " + " ".join(a for a in sys.argv[1:])
-  write_results(summary, outdir, command=command, wall_s=time.time() - started,
+  stats_lib.write_results(summary, outdir, command=command, wall_s=time.time() - started,
                 plots=[os.path.basename(p) for p in figures], missing=missing, title=title,
                 setup=_setup_lines(chosen, arms, overrides, seeds))
   with open(os.path.join(outdir, "results.md"), encoding="utf-8") as fh:
@@ -375,9 +357,9 @@ def _main(argv) -> int:
 
 def _define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("preset", "", f"Regime: one of {sorted(compare_arms.PRESETS)} (compare_arms.py: its "
+  flags.DEFINE_string("preset", "", f"Regime: one of {sorted(arms_lib.PRESETS)} (compare/arms.py: its "
                       "overrides, arms and seeds); empty: the configs as they are.")
-  flags.DEFINE_list("arms", None, "Arms to compare: method configs and their named variants (compare_arms.ARMS), "
+  flags.DEFINE_list("arms", None, "Arms to compare: method configs and their named variants (arms_lib.ARMS), "
                     "e.g. grpo,exgrpo,exgrpo-no_shaping,sft. Default: the preset's, else the four methods.")
   flags.DEFINE_list("methods", None, "Methods to compare: names of files in --configs_dir (arms without overrides).")
   flags.DEFINE_string("model", "", "Model preset of every run (the config arg `model=`, e.g. smollm2-135m; "
@@ -393,7 +375,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("threads_per_run", None, "CPU threads per run. Default: cores / parallel.")
   flags.DEFINE_string("warm_start_cache", "", "Warm-start cache shared by the runs (default: the config's).")
   flags.DEFINE_multi_string("override", [], "Extra config override for every run, e.g. --override=optim.lr=3e-5.")
-  flags.DEFINE_string("configs_dir", compare_arms.CONFIGS_DIR, "Where the method configs are.")
+  flags.DEFINE_string("configs_dir", arms_lib.CONFIGS_DIR, "Where the method configs are.")
   flags.DEFINE_bool("summarize_only", False, "Skip training (and the check that DIR/runs holds runs of this config): "
                     "summarise and plot what DIR/runs holds.")
   flags.DEFINE_string("baseline", "", "Arm the paired differences are taken against (default: grpo when compared, "
@@ -401,7 +383,8 @@ def _define_flags() -> None:
   flags.mark_flag_as_required("outdir")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+  """`python -m jaxrlvr.compare` (compare/__main__.py)."""
   from absl import app  # pylint: disable=g-import-not-at-top
   _define_flags()
   app.run(lambda argv: sys.exit(main(argv)))

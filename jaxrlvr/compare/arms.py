@@ -3,7 +3,7 @@
 An arm is one row of the results: a method's config file (configs/<method>.py) with a few config overrides, so an
 ablation is a row like any method, trained in DIR/runs/<arm>-s<seed>. Every config file in the configs directory is
 also an arm of its own name without overrides (that is what `--methods` names). The arm `sft` is not RL: it is the
-supervised control (sft_control.py), continued supervised training from the same warm start for the wall time of
+supervised control (compare/sft_control.py), continued supervised training from the same warm start for the wall time of
 the `grpo` run of its seed.
 
 A preset is a regime: the overrides every arm's runs get, the arms it compares by default and how many seeds. Both
@@ -31,7 +31,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxrlvr/compare/ -> the repository
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
 METHODS = ("grpo", "exgrpo", "advantage_priority", "bapo")
 BASELINE = "grpo"
@@ -47,9 +47,9 @@ class Arm:
   name: str
   method: str  # the config file configs/<method>.py
   overrides: tuple[str, ...] = ()  # `key=value`, applied after the preset's and --override's
-  kind: str = "rl"  # "rl": the main job; "sft": the supervised control (sft_control.py)
+  kind: str = "rl"  # "rl": the main job; "sft": the supervised control (compare/sft_control.py)
   doc: str = ""
-  flags: tuple[str, ...] = ()  # the control's own flags (sft_control.py)
+  flags: tuple[str, ...] = ()  # the control's own flags (compare/sft_control.py)
 
 
 ARMS = {arm.name: arm for arm in (

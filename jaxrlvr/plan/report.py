@@ -7,7 +7,7 @@ Run from the repository root (config files import `configs.base`); `--config.x=y
 It prints the resident state, the footprint of each of the step's four compiled device phases (update, scoring
 pass, a sampler call's prefill and decode), the host replay buffer, and whether the largest phase fits an H100
 (80 GB), H200 (141 GB), TPU v5p (95 GB) or v5e (16 GB) device. GB here is 1e9 bytes. The arithmetic lives in
-`plan_memory.py`; `plan_xla.py` compiles the same phases with abstract inputs, and `--xla` prints XLA's figure of
+`plan/memory.py`; `plan/xla.py` compiles the same phases with abstract inputs, and `--xla` prints XLA's figure of
 each next to the plan's (on CPU use JAX_NUM_CPU_DEVICES=8 and a few `--layers`: a 28-layer update takes minutes).
 
 What a phase's footprint is: the bytes its executable holds on one device while it runs, i.e. XLA's
@@ -34,7 +34,7 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
 - Scoring pass (`step.make_score_fn`: old log-probs over the update batch, one micro-batch of rows at a time):
   parameters, the batch and its two [rows, T] f32 outputs, one layer's forward at its MLP (3 [b, S, F] + 2
   [b, S, D] arrays in c) + the attention's forward transient, the gathered weights, 3 logits chunks.
-- With `rollout.engine="continuous"` (`engine.py`): one state of r = `decode_slots` (else `max_rows_per_device`,
+- With `rollout.engine="continuous"` (`rollout/engine.py`): one state of r = `decode_slots` (else `max_rows_per_device`,
   else all rows) slots a device for the whole step, the same cache, and of the carry only the uniforms [r, T] (the
   chunks hand their tokens to the host); its prefill holds the prompts' own cache (L x 2 x U x P x K x H x c,
   U = `prefill_rows_per_device` or r distinct prompts) beside one layer's forward over P; with
@@ -42,8 +42,8 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident. Both are checked against XLA (the
   insert's prompt forward is planned as the static prefill's, which XLA:CPU compiles into ~1.3 GB less at 7B
   width: the plan is 11-19% high there).
-- Sampler call (`sampling.generate`; a step's B x K rollouts in calls of r = min(rows a device,
-  `rows_per_sampler_call`: `rollout.max_rows_per_device`, else what `rollout.kv_cache_gb` holds) rows): KV cache =
+- Sampler call (`rollout.generate`; a step's B x K rollouts in calls of r = min(rows a device,
+  `run_setup.rows_per_sampler_call`: `rollout.max_rows_per_device`, else what `rollout.kv_cache_gb` holds) rows): KV cache =
   L x 2 x r x S x K x H x c, the decode carry (uniforms, tokens, log-probs, entropies [r, T], key mask [r, S]).
   Prefill: one layer's forward for a block of `rollout.prefill_rows_per_device` rows x
   `rollout.prefill_chunk_tokens` slots attending over S; when rows are blocked, the block's own cache (L x 2 x block
@@ -75,7 +75,7 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   XLA_PYTHON_CLIENT_MEM_FRACTION is raised.
 Checked against XLA (tests/test_plan_xla.py): the four phases compiled with abstract 7B-wide inputs (qwen2.5-math-7b
 with 1, 2 and 3 layers, the paper's lengths, fsdp=8 over 8 CPU devices, float32 compute) agree with these formulas
-for the CPU backend to within 10%. XLA:CPU needs two flags for that (`plan_memory.CPU_MEMORY_FLAGS`): its default
+for the CPU backend to within 10%. XLA:CPU needs two flags for that (`memory_lib.CPU_MEMORY_FLAGS`): its default
 scheduler runs every layer's rematerialised forward before the backward, so remat saved nothing (18.8 GB of
 temporaries a layer with remat, 21.6 GB without), and its YNNPACK fusion computes a one-layer model's whole MLP in
 tiles, so its [b, S, F] arrays never exist (a 9.9 GB scoring pass measured 3.4 GB). In bfloat16 XLA:CPU computes
@@ -91,10 +91,10 @@ from typing import Any, Sequence
 import jax
 
 from jaxrlvr import config_lib
-from jaxrlvr import plan_memory as memory_lib
-from jaxrlvr.plan_memory import (  # noqa: F401  (the planner's API, importable from here)
-    ACCELERATORS, BACKENDS, CPU_MEMORY_FLAGS, GB, USABLE_FRACTION, Accelerator, Workload, batch_rows, fits,
-    param_table, phase_terms, plan_memory, shard_shape, spec_mesh, workload)
+from jaxrlvr import run_setup
+from jaxrlvr.plan import memory as memory_lib
+from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_MEMORY_FLAGS, GB, USABLE_FRACTION, fits, plan_memory,
+                                 workload)
 
 
 def plans_by_backend(config: Any, mesh_shape: Sequence[int], accelerators: Sequence[str],
@@ -195,17 +195,17 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
 def format_xla(config: Any, mesh_shape: Sequence[int], layers: int) -> str:
   """XLA's figure of each phase compiled on the local devices, next to the plan for the local backend."""
   from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top
-  from jaxrlvr import plan_xla  # pylint: disable=g-import-not-at-top  (imports the trainer's step functions)
+  from jaxrlvr.plan import xla as xla_lib  # pylint: disable=g-import-not-at-top  (imports the trainer's step functions)
   n = math.prod(mesh_shape)
   if jax.device_count() < n:
-    raise ValueError(f"plan.py: --xla compiles on local devices; the mesh {tuple(mesh_shape)} needs {n}, there are "
+    raise ValueError(f"plan/report.py: --xla compiles on local devices; the mesh {tuple(mesh_shape)} needs {n}, there are "
                      f"{jax.device_count()} (on CPU: JAX_NUM_CPU_DEVICES={n})")
   backend = jax.default_backend() if jax.default_backend() in BACKENDS else "gpu"
-  model = memory_lib.model_config(config)
+  model = run_setup.model_config(config)
   if layers:
     model = model.replace(num_layers=layers)
   mesh = parallel.make_mesh(*mesh_shape, devices=jax.devices()[:n])
-  xla = plan_xla.compile_phases(config, mesh, model)
+  xla = xla_lib.compile_phases(config, mesh, model)
   planned = plan_memory(config, mesh_shape, backend=backend, model=model)
   lines = [f"XLA's footprints ({backend}, {model.num_layers} layers): argument + output + temp - alias per device",
            f"  {'phase':<10}{'plan GB':>10}{'XLA GB':>10}{'ratio':>8}"]
@@ -222,13 +222,14 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
   try:
     sizes = tuple(int(s) for s in text.split(","))
   except ValueError as e:
-    raise ValueError(f"plan.py: --mesh={text!r} must be three integers data,fsdp,tensor (e.g. 1,8,1)") from e
+    raise ValueError(f"plan/report.py: --mesh={text!r} must be three integers data,fsdp,tensor (e.g. 1,8,1)") from e
   if len(sizes) != 3 or min(sizes) < 1:
-    raise ValueError(f"plan.py: --mesh={text!r} must be three positive integers data,fsdp,tensor (e.g. 1,8,1)")
+    raise ValueError(f"plan/report.py: --mesh={text!r} must be three positive integers data,fsdp,tensor (e.g. 1,8,1)")
   return sizes
 
 
 def main(argv: Sequence[str]) -> None:
+  from absl import app  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
@@ -239,51 +240,53 @@ def main(argv: Sequence[str]) -> None:
 
 
 def _plan() -> None:
-  if _XLA.value:  # before JAX starts its CPU client (harmless elsewhere: the flags are XLA:CPU's)
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  if f.xla:  # before JAX starts its CPU client (harmless elsewhere: the flags are XLA:CPU's)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_FLAGS}".strip()
-  config = _CONFIG.value
-  if _MESH.value:
-    mesh_shape = parse_mesh(_MESH.value)
+  config = f.config
+  if f.mesh:
+    mesh_shape = parse_mesh(f.mesh)
   else:
-    mesh_shape = config_lib.mesh_shape(config.mesh, _NUM_DEVICES.value)
+    mesh_shape = config_lib.mesh_shape(config.mesh, f.num_devices)
   config_lib.validate(config, num_devices=math.prod(mesh_shape))
-  accelerators = sorted(ACCELERATORS) if _ACCELERATOR.value == "all" else [_ACCELERATOR.value]
-  backend = _BACKEND.value or ACCELERATORS[accelerators[0]].backend
-  kwargs = dict(replay_trajectories=None if _REPLAY_TRAJECTORIES.value < 0 else _REPLAY_TRAJECTORIES.value,
-                tokens_per_trajectory=None if _TOKENS_PER_TRAJECTORY.value < 0 else _TOKENS_PER_TRAJECTORY.value,
-                store_fraction=_STORE_FRACTION.value)
+  accelerators = sorted(ACCELERATORS) if f.accelerator == "all" else [f.accelerator]
+  backend = f.backend or ACCELERATORS[accelerators[0]].backend
+  kwargs = dict(replay_trajectories=None if f.replay_trajectories < 0 else f.replay_trajectories,
+                tokens_per_trajectory=None if f.tokens_per_trajectory < 0 else f.tokens_per_trajectory,
+                store_fraction=f.store_fraction)
   plans = plans_by_backend(config, mesh_shape, accelerators, **kwargs)
   if backend not in plans:
     plans[backend] = plan_memory(config, mesh_shape, backend=backend, **kwargs)
   print(format_plan(config, mesh_shape, plans, backend=backend, accelerators=accelerators,
-                    usable_fraction=_USABLE.value))
-  if _XLA.value:
+                    usable_fraction=f.usable_fraction))
+  if f.xla:
     print()
-    print(format_xla(config, mesh_shape, _LAYERS.value))
+    print(format_xla(config, mesh_shape, f.layers))
 
 
-if __name__ == "__main__":
-  # Flags exist only when this runs as a program, so importing the planner next to `jaxrlvr.main` (tests, notebooks)
-  # does not define --config twice.
-  from absl import app
-  from absl import flags
-  from ml_collections import config_flags
+def cli() -> None:
+  """`python -m jaxrlvr.plan` (plan/__main__.py). The flags exist only when the planner runs as a program, so
+  importing it next to `jaxrlvr.main` (tests, notebooks) does not define --config twice."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/exgrpo.py:model=...",
+  config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/exgrpo.py:model=...",
                                             lock_config=True)
-  _MESH = flags.DEFINE_string("mesh", "", "data,fsdp,tensor sizes, e.g. 1,8,1; empty: config.mesh on --num_devices")
-  _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices to resolve a -1 in config.mesh when --mesh is empty.")
-  _ACCELERATOR = flags.DEFINE_enum("accelerator", "all", ["all", *sorted(ACCELERATORS)], "Accelerator to check.")
-  _BACKEND = flags.DEFINE_enum("backend", "", ["", *BACKENDS], "Backend of the printed terms; empty: that of the "
+  flags.DEFINE_string("mesh", "", "data,fsdp,tensor sizes, e.g. 1,8,1; empty: config.mesh on --num_devices")
+  flags.DEFINE_integer("num_devices", 8, "Devices to resolve a -1 in config.mesh when --mesh is empty.")
+  flags.DEFINE_enum("accelerator", "all", ["all", *sorted(ACCELERATORS)], "Accelerator to check.")
+  flags.DEFINE_enum("backend", "", ["", *BACKENDS], "Backend of the printed terms; empty: that of the "
                                "first accelerator checked.")
-  _USABLE = flags.DEFINE_float("usable_fraction", USABLE_FRACTION, "Share of device memory the plan may use.")
-  _XLA = flags.DEFINE_bool("xla", False, "Also compile the four phases on the local devices (abstract inputs) and "
+  flags.DEFINE_float("usable_fraction", USABLE_FRACTION, "Share of device memory the plan may use.")
+  flags.DEFINE_bool("xla", False, "Also compile the four phases on the local devices (abstract inputs) and "
                            "print XLA's figures next to the plan's.")
-  _LAYERS = flags.DEFINE_integer("layers", 0, "With --xla: compile this many layers (0: the model's).")
-  _REPLAY_TRAJECTORIES = flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")
-  _TOKENS_PER_TRAJECTORY = flags.DEFINE_integer("tokens_per_trajectory", -1, "Mean stored tokens; -1: "
+  flags.DEFINE_integer("layers", 0, "With --xla: compile this many layers (0: the model's).")
+  flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")
+  flags.DEFINE_integer("tokens_per_trajectory", -1, "Mean stored tokens; -1: "
                                                 f"min({memory_lib.TOKENS_PER_TRAJECTORY}, max_new_tokens).")
-  _STORE_FRACTION = flags.DEFINE_float("store_fraction", memory_lib.EXGRPO_STORE_FRACTION,
+  flags.DEFINE_float("store_fraction", memory_lib.EXGRPO_STORE_FRACTION,
                                        "ExGRPO: stored / sampled rollouts.")
   flags.mark_flags_as_required(["config"])
   app.run(main)

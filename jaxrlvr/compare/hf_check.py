@@ -1,6 +1,6 @@
 """The run's export, evaluated by transformers: does DIR/hf answer the held-out questions as the run said it does?
 
-    python -m jaxrlvr.hf_check --workdir=DIR [--hf=DIR/hf] [--batch=50]
+    python -m jaxrlvr.compare.hf_check --workdir=DIR [--hf=DIR/hf] [--batch=50]
 
 Reads DIR/config.json for the held-out set, the prompt template and the reward settings, loads the export with
 `transformers.AutoModelForCausalLM` (float32, PyTorch), answers every evaluated question greedily with transformers'
@@ -94,7 +94,7 @@ def check(workdir: str, hf_dir: str | None = None, *, batch: int = 50) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxrlvr.hf_check", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m jaxrlvr.compare.hf_check", description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", required=True, help="the run directory (python -m jaxrlvr.main --workdir)")
   parser.add_argument("--hf", default=None, help="the export to check (default: WORKDIR/hf)")
   parser.add_argument("--batch", type=int, default=50, help="questions per transformers generate call")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     ours = check(args.workdir, args.hf, batch=args.batch)
   except config_lib.ConfigError as e:
-    print(f"jaxrlvr.hf_check: {e}", file=sys.stderr)
+    print(f"jaxrlvr.compare.hf_check: {e}", file=sys.stderr)
     return 2
   step, logged = last_eval(args.workdir)
   print(f"{'metric':<32}{'transformers':>14}{f'run (step {step})':>18}")

@@ -1,7 +1,7 @@
 """What every sampler of the package shares: its output type and the draw of one token from logits.
 
-`jaxrlvr.sampling` (the static sampler) and `jaxrlvr.engine` (the rollout engine) both sample through `sample`, so
-their tokens, log-probs and entropies follow one set of conventions (see `jaxrlvr.sampling`'s module docstring): the
+`jaxrlvr.rollout.sampler` (the static sampler) and `jaxrlvr.rollout.engine` (the rollout engine) both sample through `sample`, so
+their tokens, log-probs and entropies follow one set of conventions (see `jaxrlvr.rollout.sampler`'s module docstring): the
 log-probs and entropies are those of the distribution actually sampled from, greedy reports temperature-1 values,
 and a token is drawn by inverse-CDF sampling from one uniform number.
 """
