@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_sampler_benchmark_runs_on_two_cpu_devices():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # the benchmark sets the CPU device count itself
@@ -45,6 +48,7 @@ def test_gpu_section_runs_its_code_on_cpu():
   assert engine_row[0] == "4" and engine_row[3].endswith("%"), result.stdout  # rows, tok/s, mean len, useful share
 
 
+@pytest.mark.slow
 def test_main_command_benchmark_reruns_the_readme_commands():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "main_command.py"), "--methods=grpo", "--smoke",

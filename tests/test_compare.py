@@ -231,7 +231,6 @@ def test_overrides_and_the_workdir_config_check(tmp_path):
     compare.check_workdir(spec, config)
 
 
-@pytest.mark.slow
 def test_presets_make_their_overrides():
   # data_limited: 200 steps x 16 questions over 800 questions (4 visits each); paper_shaped: 1,600 (2 visits).
   limited = compare.arms.preset("data_limited").run_overrides(steps=200, batch_size=16)
@@ -254,6 +253,7 @@ def test_mechanism_figures_by_hand():
   assert np.isnan(outputs.mechanism_stats({1: {"step": 1, "qid": [1]}}).signal_share)  # an older run's file
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_smoke_configs(tmp_path):
   """The paper-shaped preset on the smoke configs, one seed, an ablation arm and the supervised control: runs,
   results, figures, questions that come back, pass@8, 2 optimizer steps a batch, the mechanism figures, the

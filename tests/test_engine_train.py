@@ -16,6 +16,7 @@ from jaxrlvr.rollout import engine
 from jaxrlvr.rollout import scheduler
 
 
+@pytest.mark.slow
 def test_three_rl_steps_of_the_embedded_default_compile_once(tmp_path, monkeypatch):
   """The embedded default (GRPO, the tiny model, 16 x 8 rows) with rollout.engine='continuous': each step's rollout
   goes through the engine, and the second and third steps' rollouts trace no engine function."""

@@ -126,6 +126,7 @@ def _main(tmp_path, *args: str) -> subprocess.CompletedProcess:
                         env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_rows_without_solutions_learn_with_only_the_source_flag(tmp_path):
   """The issue's run: configs/exgrpo.py and only the source flag (30 steps instead of 200). The tiny preset is
   warm-started as the default command warm-starts it, says so in one line, and RL on the rows scores above 0."""

@@ -19,6 +19,9 @@ from configs import exgrpo
 from jaxrlvr import plan
 from jaxrlvr import run_setup
 
+# Compiling 7B-wide phases is what these tests check, and it takes minutes: the slow tier.
+pytestmark = pytest.mark.slow
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAYERS = (1, 2, 3)
 _TOLERANCE = 0.2

@@ -63,6 +63,7 @@ def chat_prompts(tokenizer):
           for q in _QUESTIONS]
 
 
+@pytest.mark.slow
 def test_conversion_is_the_preset_with_its_tokenizer_and_stops(converted, tokenizer, cache_dir, monkeypatch):
   config = hf_lib.config_from_hf(hf_lib.read_config(converted))
   # The GGUF stores rms eps 1e-5 as a float32 (9.9999997e-06); every other field is the published config's.
@@ -89,6 +90,7 @@ def test_conversion_is_the_preset_with_its_tokenizer_and_stops(converted, tokeni
   assert pretrained.checkpoint_dir(_PRESET, cache_dir=cache_dir) == converted
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_chat_answers_equal_transformers(converted, tokenizer, chat_prompts):
   ours, _ = models.load_pretrained(converted)
   theirs = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
@@ -120,6 +122,7 @@ def test_logits_and_greedy_chat_answers_equal_transformers(converted, tokenizer,
   assert "colou" in tokenizer.decode(out.tokens[4, :out.lengths[4]]).lower()
 
 
+@pytest.mark.slow
 def test_rl_smoke_run_and_its_export_in_transformers(converted, cache_dir, tmp_path):
   workdir = str(tmp_path / "smoke")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")  # the main job as a user runs it
@@ -197,6 +200,7 @@ def test_missing_wheel_gives_the_install_command(monkeypatch):
   assert pretrained.resolve_paths(config) is config
 
 
+@pytest.mark.slow  # the tokenizer fixture converts the real model's GGUF file
 def test_chat_prompt_longer_than_max_prompt_len_names_the_lengths(tokenizer):
   config = grpo.get_config(f"model={_PRESET}")
   assert (config.tokenizer.template, config.data.phrasing) == ("chat", "sentence")

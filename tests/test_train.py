@@ -69,6 +69,7 @@ def test_smoke_runs_every_method(method, tmp_path, warm_cache):
   assert "is finished" in again.stdout
 
 
+@pytest.mark.slow
 def test_sigkill_after_first_checkpoint_resumes_exactly(tmp_path, warm_cache):
   reference = str(tmp_path / "reference")
   _run("exgrpo", reference, warm_cache)
