@@ -19,6 +19,9 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.eval_every = 50
   c.checkpoint_every = 50
   c.keep_checkpoints = 2
+  # XLA's compiled programs kept on disk (the main command's), so a second run of a command skips compiling what the
+  # first compiled; empty: off. JAX_COMPILATION_CACHE_DIR in the environment, when set, is used instead.
+  c.compilation_cache_dir = "~/.cache/jaxrlvr/xla"
 
   # Model: a preset name, or a Hugging Face checkpoint directory in `path` (config.json + *.safetensors).
   c.model = ml_collections.ConfigDict()

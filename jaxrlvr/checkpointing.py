@@ -35,7 +35,9 @@ from jaxrlvr import multihost
 
 # Config keys that may change when an unfinished run resumes (or a finished one is extended); any other change is
 # refused. A finished run with nothing left to do refuses every change but total_steps: it would have no effect.
-RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
+# Where the process keeps things, not what a run computes: any change is fine, even on a finished run.
+WHERE_ONLY = ("compilation_cache_dir",)
+RESUMABLE_CHANGES = (*WHERE_ONLY, "total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
                      "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size",
                      # when a diverged run stops, or what a judge that is down does; not what a step computes
                      "optim.max_nonfinite_steps", "exprl.judge.on_failure",
@@ -117,7 +119,7 @@ def refused_changes(saved: dict, current: dict, *, step: int) -> list[str]:
   every change but total_steps, since the run would end at once and silently ignore it."""
   if step < current["total_steps"]:
     return incompatible_changes(saved, current)
-  return _changes(saved, current, ("total_steps",))
+  return _changes(saved, current, ("total_steps", *WHERE_ONLY))
 
 
 def extension_note(saved: dict, current: dict, *, step: int) -> str | None:

@@ -48,3 +48,29 @@ def test_a_checkpoint_resumes_only_with_the_process_count_that_wrote_it(tmp_path
   with pytest.raises(ValueError, match=r"written by 2 process\(es\).*this run has 1"):
     ckpt.check_processes({**meta, "num_processes": 2})
   ckpt.close()
+
+
+def test_where_the_compilation_cache_lives_never_refuses_a_run():
+  saved = {"total_steps": 4, "compilation_cache_dir": "~/.cache/jaxrlvr/xla", "optim": {"lr": 1e-5}}
+  moved = {**saved, "compilation_cache_dir": ""}
+  assert checkpointing.incompatible_changes(saved, moved) == []
+  assert checkpointing.refused_changes(saved, moved, step=4) == []  # a finished run is still finished
+  older = {k: v for k, v in saved.items() if k != "compilation_cache_dir"}  # a run from before the key
+  assert checkpointing.refused_changes(older, saved, step=4) == []
+  assert checkpointing.refused_changes(saved, {**saved, "optim": {"lr": 1e-4}}, step=4) == [
+      "optim.lr: 1e-05 -> 0.0001"]
+
+
+def test_the_main_command_keeps_compiled_programs_where_the_config_says(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import main  # pylint: disable=g-import-not-at-top
+  before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+  assert main.use_compilation_cache("~/x", environ={"JAX_COMPILATION_CACHE_DIR": "/set/by/caller"}) == "/set/by/caller"
+  assert main.use_compilation_cache("", environ={}) == ""
+  try:
+    assert main.use_compilation_cache(str(tmp_path / "xla"), environ={}) == str(tmp_path / "xla")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

@@ -147,6 +147,7 @@ def test_rows_without_solutions_learn_with_only_the_source_flag(tmp_path):
   assert not any(k.startswith("eval/arithmetic") for r in rows for k in r)  # never evaluated on the synthetic task
 
 
+@pytest.mark.slow  # the issue's main command: 8 steps of the default's 16 x 8 rows
 def test_a_model_that_solves_nothing_stops_after_its_first_steps(tmp_path):
   """The issue's run with the fallback off: the tiny preset at random initialisation answers none of the held-out
   rows and (next to) none of the rollouts, so the run stops after train.stop_if_unsolvable_steps (8) of its 200
