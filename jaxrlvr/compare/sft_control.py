@@ -109,7 +109,8 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
                                       opt_sharding=jax.tree.map(lambda x: x.sharding, opt_state),
                                       batch_sharding=batch_sharding)
   reward_pool = rewards.MathRewardPool.from_config(config)
-  eos_ids, pad_id = tuple(data_lib.stop_token_ids(tokenizer)), tokenizer.pad_token_id
+  sampler = run_setup.sampler_settings(config, tokenizer)  # the stop and pad ids, memory bounds and engine of a run
+  pad_id = sampler.pad_id
   prompt_len = config.data.max_prompt_len  # as the warm start packs its batches
   writer = outputs.MetricWriter(workdir, total_steps=0, show_progress=False)
 
@@ -119,9 +120,8 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
     def generate_fn(prompts, temperature, n):  # as the trainer's evaluator, on one process
       ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
       out = rollout.generate(policy, [p for p in ids for _ in range(n)], max_new_tokens=completion_len,
-                             rng=jax.random.key(config.seed + 1), temperature=temperature, eos_ids=eos_ids,
-                             pad_id=pad_id, mesh=mesh, **run_setup.sampler_limits(config),
-                             **run_setup.sampler_engine(config))
+                             rng=jax.random.key(config.seed + 1), temperature=temperature, eos_ids=sampler.eos_ids,
+                             pad_id=pad_id, mesh=mesh, **sampler.memory_limits(), **sampler.engine_settings())
       return rollout.decode(tokenizer, out.tokens, out.lengths), out.lengths
 
     metrics, samples = evaluate_lib.evaluate_with_samples(

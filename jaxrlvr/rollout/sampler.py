@@ -47,9 +47,9 @@ from jax.sharding import PartitionSpec as P
 from jaxrlvr import multihost
 from jaxrlvr.rollout import bounded
 from jaxrlvr.rollout import scheduler
-from jaxrlvr.rollout.bounded import BATCH_AXES, MEMORY_LIMITS, bucket_length  # noqa: F401  (the public names)
+from jaxrlvr.rollout.bounded import BATCH_AXES, MEMORY_LIMITS
 
-from jaxrlvr.rollout.decode import SampleOutput, sample_logits  # noqa: F401  (the public names)
+from jaxrlvr.rollout.decode import SampleOutput
 from jaxrlvr.rollout.decode import sample as _sample
 
 TENSOR_AXIS = "tensor"
