@@ -1,0 +1,142 @@
+"""Where a GRPO update's time goes, as achieved FLOP/s against this machine's own matmul throughput.
+
+    python benchmarks/update_split.py [--model=smollm2-135m] [--rows=16] [--prompt=64] [--completion=64] \
+        [--minibatches=0] [--repeats=3]
+
+On one CPU device, with a model preset's shapes (random weights: speed does not depend on their values) and a batch
+of `rows` full-length rows, it times, round-robin after one warm-up call each:
+  - matmul: a [2048, 2048] float32 `jnp.dot`, the peak this process can reach;
+  - update: the jitted GRPO update (`step.make_update_fn`, the preset's own config: optimizer, micro-batches);
+  - score: the scoring pass the loop runs before it for the old log-probs (`step.make_score_fn`);
+  - body forward, body forward+backward: the decoder stack alone (`model.hidden`), a sum of squares as the loss;
+  - head forward+backward: the log-prob and entropy head alone (`scoring.chunked_logprobs`) on fixed hidden states.
+Each is reported as its best call (median), the FLOPs it must do (2 x parameters x tokens per matmul pass, plus
+attention's score and value products; a backward pass is twice a forward), and that as a share of the matmul
+throughput. The share says how far each part is from what this CPU can do.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import grpo  # pylint: disable=g-import-not-at-top
+from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top
+from jaxrlvr import run_setup  # pylint: disable=g-import-not-at-top
+from jaxrlvr import scoring  # pylint: disable=g-import-not-at-top
+from jaxrlvr import step as step_lib  # pylint: disable=g-import-not-at-top
+
+_MATMUL = 2048
+
+
+def _forward_flops(model_config, params, rows: int, length: int) -> tuple[float, float]:
+  """(decoder stack, head) FLOPs of one forward pass over rows x length tokens."""
+  c = model_config
+  unembedding = c.vocab_size * c.hidden_size
+  # The input embedding is a gather; with tied embeddings its table is the unembedding, counted once, in the head.
+  body = sum(x.size for x in jax.tree.leaves(params)) - unembedding * (1 if c.tie_embeddings else 2)
+  tokens = rows * length
+  attention = 4 * rows * length * length * c.num_heads * c.head_dim * c.num_layers  # q.k and p.v, every key
+  return 2.0 * body * tokens + attention, 2.0 * unembedding * tokens
+
+
+def _batch(rows: int, prompt: int, completion: int, vocab: int) -> dict:
+  rs = np.random.RandomState(0)
+  width = prompt + completion
+  return dict(input_ids=rs.randint(1, vocab, (rows, width)).astype(np.int32),
+              attention_mask=np.ones((rows, width), np.int32),
+              completion_mask=np.ones((rows, completion), np.float32),
+              advantages=rs.randn(rows, completion).astype(np.float32),
+              old_logp=-np.ones((rows, completion), np.float32), behaviour_logp=-np.ones((rows, completion), np.float32),
+              replayed=np.zeros(rows, bool), clip=np.ones(rows, bool))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", default="smollm2-135m", help="model preset (its config arg: configs/grpo.py:model=)")
+  parser.add_argument("--rows", type=int, default=16, help="rollout rows (the smollm2 preset: 4 questions x 4)")
+  parser.add_argument("--prompt", type=int, default=64)
+  parser.add_argument("--completion", type=int, default=64)
+  parser.add_argument("--minibatches", type=int, default=0,
+                      help="train.num_minibatches (optimizer steps per batch); 0: the config's")
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+
+  config = grpo.get_config(f"model={args.model}")
+  if args.minibatches:
+    with config.unlocked():
+      config.train.num_minibatches = args.minibatches
+  mesh = parallel.make_mesh(data=1, devices=jax.devices()[:1])
+  model_config = run_setup.model_config(config)
+  graphdef, params = nnx.split(parallel.create_model(model_config, mesh, seed=0))
+  batch = parallel.shard_batch(_batch(args.rows, args.prompt, args.completion, model_config.vocab_size), mesh)
+  length = args.prompt + args.completion
+  body_flops, head_flops = _forward_flops(model_config, params, args.rows, length)
+
+  optimizer = step_lib.make_optimizer(config)
+  state = step_lib.create_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
+  update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=jax.tree.map(lambda x: x.sharding, state),
+                                   batch_sharding=parallel.batch_sharding(mesh))
+  score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature or 1.0,
+                                 batch_sharding=parallel.batch_sharding(mesh),
+                                 max_chunk_rows=args.rows // config.train.num_microbatches)
+  ids, mask = batch["input_ids"], batch["attention_mask"]
+
+  def body_loss(p):
+    hidden, _ = nnx.merge(graphdef, p).hidden(ids, attention_mask=mask)  # [B, S, D]
+    return jnp.sum(hidden * hidden)
+
+  hidden = jnp.asarray(np.random.RandomState(1).randn(args.rows, length, model_config.hidden_size), jnp.float32)
+
+  def head_loss(p, h):
+    logp, entropy = scoring.chunked_logprobs(h, nnx.merge(graphdef, p).unembedding(), ids,
+                                             chunk_size=scoring.DEFAULT_CHUNK_SIZE,
+                                             vocab_chunk_size=scoring.DEFAULT_VOCAB_CHUNK_SIZE)
+    return jnp.sum(logp) + jnp.sum(entropy)
+
+  square = jnp.ones((_MATMUL, _MATMUL), jnp.float32)
+  state_box = [state]
+
+  def run_update():
+    state_box[0], metrics = update(state_box[0], batch)
+    return metrics
+
+  parts = {  # name -> (call, FLOPs)
+      "matmul": (lambda f=jax.jit(jnp.dot): f(square, square), 2.0 * _MATMUL ** 3),
+      "update": (run_update, 3 * (body_flops + head_flops)),
+      "score": (lambda: score(state_box[0].params, batch), body_flops + head_flops),
+      "body forward": (lambda f=jax.jit(body_loss): f(params), body_flops),
+      "body forward+backward": (lambda f=jax.jit(jax.grad(body_loss)): f(params), 3 * body_flops),
+      "head forward+backward": (lambda f=jax.jit(jax.grad(head_loss, argnums=(0, 1))): f(params, hidden),
+                                3 * head_flops),
+  }
+  times = {name: [] for name in parts}
+  for name, (call, _) in parts.items():
+    jax.block_until_ready(call())  # compile
+  for _ in range(args.repeats):
+    for name, (call, _) in parts.items():
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[name].append(time.perf_counter() - start)
+
+  peak = parts["matmul"][1] / min(times["matmul"])
+  print(f"\n{args.model}: {args.rows} rows x {length} tokens ({args.prompt} prompt + {args.completion} completion), "
+        f"train.num_minibatches={config.train.num_minibatches}, num_microbatches={config.train.num_microbatches}, "
+        f"{model_config.compute_dtype}, 1 CPU device; jax {jax.__version__}; best of {args.repeats} interleaved calls "
+        "(median)")
+  print(f"{'part':24s} {'best s':>9s} {'median s':>9s} {'GFLOP':>9s} {'GFLOP/s':>8s} {'of matmul':>9s}")
+  for name, (_, flops) in parts.items():
+    best = min(times[name])
+    print(f"{name:24s} {best:9.3f} {statistics.median(times[name]):9.3f} {flops / 1e9:9.1f} "
+          f"{flops / best / 1e9:8.0f} {flops / best / peak:8.0%}")
+
+
+if __name__ == "__main__":
+  main()
