@@ -105,7 +105,7 @@ def main():
   state_box = [state]
 
   def run_update():
-    state_box[0], metrics = update(state_box[0], batch)
+    state_box[0], metrics, _ = update(state_box[0], batch)
     return metrics
 
   parts = {  # name -> (call, FLOPs)

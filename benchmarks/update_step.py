@@ -83,7 +83,7 @@ def main():
                                        state_sharding=jax.tree.map(lambda x: x.sharding, state),
                                        batch_sharding=parallel.batch_sharding(mesh))
       with _swiglu(kind):  # traced and compiled here, with this MLP; a retrace after it would fail the check below
-        state, metrics = update(state, batch)
+        state, metrics, _ = update(state, batch)
         jax.block_until_ready(state.step)
       assert update._cache_size() == 1  # pylint: disable=protected-access
       name = f"{kind}, {micro} micro-batch{'es' if micro > 1 else ''}"

@@ -7,8 +7,11 @@ so the gradient is the same for any micro-batch count or device count -- except 
 reproduces the released ExGRPO code and so, like it, scales with the micro-batch and data-parallel counts.
 
 Log-prob roles, per completion token:
-  old_logp:       the trainer's own log-probs before this RL step's first optimizer step (recomputed by the loop with
-                  `make_score_fn`, so two mini-batches per step stay correct);
+  old_logp:       the trainer's own log-probs before this RL step's first optimizer step. With several optimizer
+                  steps a batch the loop recomputes them first (`make_score_fn`), so the later steps' ratios are
+                  against the parameters the batch started from; with one (`train.num_minibatches=1`) the batch
+                  comes without them and the update takes the detached log-probs of its own forward pass, the same
+                  values without a second pass over the batch (a fresh token's ratio is then exactly 1);
   behaviour_logp: the log-probs of the policy that sampled the token: the sampler's for fresh rows, the recorded ones
                   for replayed rows.
 The PPO ratio of a fresh token is against old_logp; a replayed token's ratio is against its behaviour log-probs
@@ -116,6 +119,8 @@ def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives
   ranks and divisor of `exgrpo_reference`'s entropy bonus (objectives.reference_entropy_term)."""
   model = nnx.merge(graphdef, params)
   logp, entropy = completion_logprobs(model, micro, temperature)  # [r, T] each
+  if "old_logp" not in micro:  # one optimizer step a batch: pi_old is the policy being differentiated, detached
+    micro = {**micro, "old_logp": jax.lax.stop_gradient(logp)}
   mask = micro["completion_mask"]
   replayed = micro["replayed"]  # [r]
   old_logp = ratio_baseline(micro, settings)
@@ -137,7 +142,7 @@ def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives
   losses = {"loss/policy": policy_loss, "loss/entropy": entropy_loss, "loss/kl": kl_loss, "loss/total": loss,
             # The replayed rows' part of the policy loss: its gradient is what replay adds to the update.
             "loss/replayed_policy": aggregate(per_token * replayed[:, None].astype(per_token.dtype))}
-  return loss, (losses, stats)
+  return loss, (losses, stats, micro["old_logp"])
 
 
 def _loss_and_replayed_grads(params, graphdef, micro: dict, normalizer, settings, temperature, reference_blocks):
@@ -161,12 +166,15 @@ def _split_rows(x: jax.Array, num_minibatches: int, num_micro: int) -> jax.Array
 
 def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation, *,
                    state_sharding, batch_sharding):
-  """Returns the jitted `update(state, batch) -> (state, metrics)`; `state` is donated.
+  """Returns the jitted `update(state, batch) -> (state, metrics, old_logp)`; `state` is donated.
 
   `batch` holds R rows (R divisible by num_minibatches x num_microbatches x batch shards):
     input_ids, attention_mask [R, P + T] int32; completion_mask [R, T] (0 for padding rows and dropped rollouts);
-    advantages [R, T] f32; old_logp, behaviour_logp [R, T] f32 (see the module doc); replayed [R] bool;
-    clip [R] bool (whether fresh tokens of the row are PPO-clipped); ref_logp [R, T] when loss.kl_coef > 0.
+    advantages [R, T] f32; behaviour_logp [R, T] f32 (see the module doc); replayed [R] bool;
+    clip [R] bool (whether fresh tokens of the row are PPO-clipped); ref_logp [R, T] when loss.kl_coef > 0;
+    old_logp [R, T] f32, needed when train.num_minibatches > 1 (`needs_score_pass`), else optional.
+  `old_logp` comes back [R, T]: the batch's, or the log-probs the single optimizer step's forward pass took as pi_old
+  (the trainer's log-probs under the parameters the step started from).
   """
   settings = objectives.LossSettings.from_config(config)
   temperature = config.rollout.temperature or 1.0
@@ -199,14 +207,16 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
 
     def accumulate(carry, micro):
       grads_sum, losses_sum, stats_sum = carry
-      grads, (losses, stats) = micro_grads(micro)
+      grads, (losses, stats, old_logp) = micro_grads(micro)
       return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, losses_sum, losses),
-              diagnostics.merge_stats(stats_sum, stats)), None
+              diagnostics.merge_stats(stats_sum, stats)), old_logp
 
     # Gradients and losses are sums over micro-batches (each already divided by the global normaliser).
-    first_grads, (first_losses, first_stats) = micro_grads(jax.tree.map(lambda x: x[0], minibatch))
+    first_grads, (first_losses, first_stats, first_old_logp) = micro_grads(jax.tree.map(lambda x: x[0], minibatch))
     rest = jax.tree.map(lambda x: x[1:], minibatch)
-    (grad_parts, losses, stats), _ = jax.lax.scan(accumulate, (first_grads, first_losses, first_stats), rest)
+    (grad_parts, losses, stats), rest_old_logp = jax.lax.scan(accumulate, (first_grads, first_losses, first_stats),
+                                                              rest)
+    old_logp = jnp.concatenate([first_old_logp[None], rest_old_logp])  # [n, r, T]
     grads = grad_parts["all"]
     grad_norm = optax.tree.norm(grads)
     if replayed_share:
@@ -219,19 +229,32 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_params, params)
     opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_opt_state, opt_state)
     losses = {**losses, "optim/grad_norm": grad_norm, "optim/skipped": (~ok).astype(jnp.float32)}
-    return (params, opt_state, skipped + (~ok).astype(jnp.int32)), (losses, stats)
+    return (params, opt_state, skipped + (~ok).astype(jnp.int32)), (losses, stats, old_logp)
 
   def update(state: TrainState, batch: dict):
+    if "old_logp" not in batch and num_minibatches > 1:
+      raise ValueError(f"train.num_minibatches={num_minibatches}: the batch needs old_logp (step.make_score_fn); "
+                       "only a single optimizer step takes its own forward pass's log-probs as pi_old")
     minibatches = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro), batch)  # [M, n, r, ...]
-    (params, opt_state, skipped), (losses, stats) = jax.lax.scan(
+    (params, opt_state, skipped), (losses, stats, old_logp) = jax.lax.scan(
         optimizer_step, (state.params, state.opt_state, state.skipped), minibatches)
     metrics = {k: jnp.mean(v) for k, v in losses.items()}  # over the M optimizer steps
     metrics["optim/skipped"] = jnp.sum(losses["optim/skipped"])
     metrics.update({f"policy/{k}": v for k, v in diagnostics.finalize_stats(diagnostics.reduce_stats(stats)).items()})
-    return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
+    if "old_logp" in batch:
+      old_logp = batch["old_logp"]
+    else:  # [1, n, r, T] -> [R, T]: undo _split_rows (row i sat at micro-batch i % n, position i // n)
+      old_logp = jnp.moveaxis(old_logp[0], 1, 0).reshape(batch["completion_mask"].shape)
+    return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics, old_logp
 
-  return jax.jit(update, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
-                 donate_argnums=(0,))
+  return jax.jit(update, in_shardings=(state_sharding, batch_sharding),
+                 out_shardings=(state_sharding, None, batch_sharding), donate_argnums=(0,))
+
+
+def needs_score_pass(config: ml_collections.ConfigDict) -> bool:
+  """Whether the loop scores the update batch before the update (old log-probs): only when a later optimizer step
+  of the same batch must take its ratio against the parameters the batch started from."""
+  return config.train.num_minibatches > 1
 
 
 def make_score_fn(graphdef, *, temperature: float, batch_sharding, max_chunk_rows: int = 0):

@@ -247,8 +247,8 @@ class Trainer:
 
   def update(self, plan: replay.Plan, sampled: list, groups: list, rollout_info: dict,
              times: collections.Counter) -> tuple[dict, bool]:
-    """The update batch built, scored under the current parameters (old log-probs), shown to the strategy, and the
-    optimizer stepped. Returns ({"metrics": the update's, "mismatch": the sampler's log-prob gap}, whether the
+    """The update batch built, scored under the current parameters where a later optimizer step needs its old
+    log-probs, the optimizer stepped, and the batch shown to the strategy. Returns ({"metrics": the update's, "mismatch": the sampler's log-prob gap}, whether the
     fresh tokens were clipped); the strategy's share of the time goes to times["replay"], not "update"."""
     config, shapes = self.config, self.shapes
     clip_fresh = fresh_tokens_clipped(config, plan)
@@ -264,25 +264,26 @@ class Trainer:
         token_advantages=None if dense is None else dense.advantages,
         loss_mask=None if dense is None else dense.loss_mask,
         drop_constant_groups=config.loss.drop_constant_groups), self.mesh)
-    batch["old_logp"], _ = self._score(self.state.params, batch)
+    if step_lib.needs_score_pass(config):  # else the update's own forward pass gives pi_old
+      batch["old_logp"], _ = self._score(self.state.params, batch)
+    if self.reference is not None:
+      batch["ref_logp"], _ = self._score(self.reference, batch)
+    if self.history is not None:
+      self.history.appendleft(jax.tree.map(jnp.copy, self.state.params))
+    self.state, metrics, old_logp = self._update(self.state, batch)
+    mismatch = _sampler_mismatch(batch, old_logp)
+    jax.block_until_ready(self.state.step)
     t = time.perf_counter()
-    self._observe(plan, sampled, groups, batch["old_logp"])
+    self._observe(plan, sampled, groups, old_logp)
     observe_s = time.perf_counter() - t
     times["replay"] += observe_s
     times["update"] -= observe_s
-    if self.reference is not None:
-      batch["ref_logp"], _ = self._score(self.reference, batch)
-    mismatch = _sampler_mismatch(batch)
-    if self.history is not None:
-      self.history.appendleft(jax.tree.map(jnp.copy, self.state.params))
-    self.state, metrics = self._update(self.state, batch)
-    jax.block_until_ready(self.state.step)
     return {"metrics": metrics, "mismatch": mismatch}, clip_fresh
 
   def _observe(self, plan, sampled, groups, old_logp) -> None:
-    """The strategy stores, buckets and retires from the final groups before the update.
-    `replay.behaviour_logprobs="trainer"` (ExGRPO's released code) stores the trainer's recomputed log-probs of
-    each new answer as its pi_past, not the sampler's."""
+    """The strategy stores, buckets and retires from the final groups (after the update, which does not depend on
+    it). `replay.behaviour_logprobs="trainer"` (ExGRPO's released code) stores the trainer's log-probs of each new
+    answer under the parameters that sampled it (`old_logp`) as its pi_past, not the sampler's."""
     if self.config.replay.get("behaviour_logprobs", "sampler") == "trainer":
       rollout.record_logprobs(groups, multihost.local_rows(old_logp))
     self.strategy.observe(plan, sampled)
@@ -386,10 +387,11 @@ def _entropy_rows(n: int, granule: int) -> int:
 
 
 @jax.jit
-def _sampler_mismatch(batch: dict) -> dict:
-  """How far the sampler's log-probs are from the trainer's on fresh tokens (numerics, or a delayed policy)."""
+def _sampler_mismatch(batch: dict, old_logp: jax.Array) -> dict:
+  """How far the sampler's log-probs are from the trainer's (`old_logp` [R, T]) on fresh tokens (numerics, or a
+  delayed policy)."""
   mask = batch["completion_mask"] * (~batch["replayed"])[:, None]
-  diff = batch["old_logp"] - batch["behaviour_logp"]
+  diff = old_logp - batch["behaviour_logp"]
   count = jnp.maximum(mask.sum(), 1.0)
   return {"rollout/logp_mismatch_abs": jnp.sum(jnp.abs(diff) * mask) / count,
           "rollout/logp_mismatch_max": jnp.max(jnp.where(mask > 0, jnp.abs(diff), 0.0))}

@@ -186,7 +186,7 @@ def test_exgrpo_reference_is_the_released_codes_loss_for_2_microbatches_on_2_dev
   update = step_lib.make_update_fn(graphdef, config, optax.sgd(lr),
                                    state_sharding=jax.tree.map(lambda x: x.sharding, state),
                                    batch_sharding=parallel.batch_sharding(mesh))
-  new_state, metrics = update(state, parallel.shard_batch(batch, mesh))
+  new_state, metrics, _ = update(state, parallel.shard_batch(batch, mesh))
   np.testing.assert_allclose(float(metrics["loss/policy"]), float(want_policy), rtol=1e-5)
   np.testing.assert_allclose(float(metrics["loss/total"]), float(want_loss), rtol=1e-5)
   got_grad = jax.tree.map(lambda b, a: (np.asarray(b, np.float64) - np.asarray(a, np.float64)) / lr, before,

@@ -1,6 +1,5 @@
 """The jitted update: micro-batching and devices leave it unchanged; the skip rule holds; the policy moves."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -57,8 +56,19 @@ def _run(config, mesh, batch, optimizer=None):
   update = step_lib.make_update_fn(graphdef, config, optimizer, state_sharding=state_sharding,
                                    batch_sharding=parallel.batch_sharding(mesh))
   before = jax.device_get(params)  # the update donates `state`
-  new_state, metrics = update(state, parallel.shard_batch(batch, mesh))
+  new_state, metrics, _ = update(state, parallel.shard_batch(batch, mesh))
   return before, new_state, jax.device_get(metrics)
+
+
+def _fresh_update(config, mesh):
+  """A fresh TrainState of the test model (seed 0) on `mesh` and the jitted update of `config` for it."""
+  graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
+  optimizer = step_lib.make_optimizer(config)
+  state = step_lib.create_state(params, optimizer, mesh)
+  update = step_lib.make_update_fn(graphdef, config, optimizer,
+                                   state_sharding=jax.tree.map(lambda x: x.sharding, state),
+                                   batch_sharding=parallel.batch_sharding(mesh))
+  return state, update
 
 
 def _single_device():
@@ -132,15 +142,10 @@ def test_second_update_reuses_the_first_compile(devices):
   did, costing ~5 s of a 90 s run of the embedded default)."""
   config = _config()
   mesh = _single_device() if devices == 1 else parallel.make_mesh(data=8)
-  graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
-  optimizer = step_lib.make_optimizer(config)
-  state = step_lib.create_state(params, optimizer, mesh)
-  update = step_lib.make_update_fn(graphdef, config, optimizer,
-                                   state_sharding=jax.tree.map(lambda x: x.sharding, state),
-                                   batch_sharding=parallel.batch_sharding(mesh))
+  state, update = _fresh_update(config, mesh)
   batch = parallel.shard_batch(_batch(), mesh)
   for _ in range(3):
-    state, _ = update(state, batch)
+    state, _, _ = update(state, batch)
   assert update._cache_size() == 1  # pylint: disable=protected-access
 
 
@@ -165,3 +170,36 @@ def test_chunked_scoring_equals_one_pass(max_chunk_rows):
                                    max_chunk_rows=max_chunk_rows)
   for want, got in zip(one_pass(params, batch), chunked(params, batch)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_one_optimizer_step_takes_pi_old_from_its_own_forward_pass():
+  """train.num_minibatches=1: an update without old_logp (no scoring pass before it) takes the detached log-probs of
+  its own forward pass as pi_old, and gives the parameters, metrics and old log-probs of the update that was handed
+  the scoring pass's."""
+  config = _config()
+  assert config.train.num_minibatches == 1 and not step_lib.needs_score_pass(config)
+  mesh = _single_device()
+  graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
+  score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature,
+                                 batch_sharding=parallel.batch_sharding(mesh))
+  batch = parallel.shard_batch(_batch(), mesh)
+  scored = {**batch, "old_logp": score(params, batch)[0]}
+  unscored = {k: v for k, v in batch.items() if k != "old_logp"}
+  results = []
+  for b in (scored, unscored):
+    state, update = _fresh_update(config, mesh)
+    results.append(jax.device_get(update(state, b)))
+  (want_state, want_metrics, want_old), (got_state, got_metrics, got_old) = results
+  np.testing.assert_allclose(got_old, want_old, rtol=1e-5, atol=1e-6)
+  # Adam's first step is lr * g / (|g| + eps): about lr for every entry, so the scoring pass's ratios of 1 +- 1e-7
+  # move a near-zero gradient entry's step visibly; a thousandth of lr (1e-2) bounds them.
+  _assert_params_close(got_state.params, want_state.params, atol=1e-5)
+  for k in want_metrics:
+    np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert got_metrics["policy/fresh/ratio_mean"] == 1.0  # pi / stop_gradient(pi), exactly
+
+  config = _config(train__num_minibatches=2)
+  assert step_lib.needs_score_pass(config)
+  state, update = _fresh_update(config, mesh)
+  with pytest.raises(ValueError, match="train.num_minibatches=2: the batch needs old_logp"):
+    update(state, unscored)

@@ -5,6 +5,9 @@ verifier is replaced by a biased coin fixed by each completion's text (about a q
 "correct"), so groups are mixed, and some all wrong, from the first step: the buffer fills, replayed questions and
 rollouts enter the batch, and the update's replayed-token path and the buffer's checkpoint run inside the real loop on
 the 8-device test mesh.
+
+The loop's scoring pass of the update batch (old log-probs) runs only where a later optimizer step of the batch needs
+it; with one optimizer step a batch the update's own forward pass gives pi_old, with the same parameters after.
 """
 import importlib
 import json
@@ -13,9 +16,12 @@ import zlib
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
+from configs import grpo
 from jaxrlvr import outputs
 from jaxrlvr import rollout
+from jaxrlvr import step as step_lib
 from jaxrlvr import train
 from jaxrlvr.rewards import math as math_rewards
 
@@ -39,9 +45,27 @@ def _sampler_logprobs_of(value: float):
   return patched
 
 
+def _count_score_calls(monkeypatch) -> list[str]:
+  """What each batch the trainer's scoring function is called on from now on is: "update" (it has advantages) or
+  "answers" (ExGRPO's stored answers, for their entropy)."""
+  rows, make_score_fn = [], step_lib.make_score_fn
+
+  def counting_make_score_fn(*args, **kwargs):
+    score = make_score_fn(*args, **kwargs)
+
+    def counted(params, batch):
+      rows.append("update" if "advantages" in batch else "answers")
+      return score(params, batch)
+    return counted
+
+  monkeypatch.setattr(step_lib, "make_score_fn", counting_make_score_fn)
+  return rows
+
+
 @pytest.mark.parametrize("method", ["exgrpo", "advantage_priority", "bapo"])
 def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
   monkeypatch.setattr(math_rewards.MathRewardPool, "score", _biased_coin_score)
+  scored_rows = _count_score_calls(monkeypatch)
   if method == "exgrpo":
     monkeypatch.setattr(train.rollout, "sample_groups", _sampler_logprobs_of(-30.0))
   config = importlib.import_module(f"configs.{method}").get_config("smoke")
@@ -80,7 +104,39 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     # stored, the ratio would be exp(20) (the log-ratio clamp).
     ratios = [r["policy/replayed/ratio_mean"] for r in steps[1:]]
     assert all(0.5 < x < 2.0 for x in ratios), ratios
+    # One optimizer step a batch: those log-probs come from the update's own forward pass, and the scorer only sees
+    # the stored answers of the entropy pass, never the update batch.
+    assert config.train.num_minibatches == 1
+    assert "answers" in scored_rows and "update" not in scored_rows, scored_rows
   # The run saved its config and a checkpoint of the last step (whose host state holds the buffer).
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["replay"]["name"] == method
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
+
+
+def test_one_optimizer_step_a_batch_skips_the_scoring_pass_and_trains_the_same(tmp_path, monkeypatch):
+  """GRPO's smoke run (one optimizer step a batch) calls no scorer; forced through the scoring pass it ran before,
+  it ends with the same parameters (its export) and logs the same losses."""
+  def smoke_run(name):
+    config = grpo.get_config("smoke")
+    with config.unlocked():
+      config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
+      config.total_steps = 2
+      config.eval_every = 100
+    workdir = str(tmp_path / name)
+    train.run(config, workdir)
+    rows = [r for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss/policy" in r]
+    return safetensors.numpy.load_file(os.path.join(workdir, "hf", "model.safetensors")), rows
+
+  scored_rows = _count_score_calls(monkeypatch)
+  params, rows = smoke_run("own_forward")
+  assert scored_rows == []
+  monkeypatch.setattr(step_lib, "needs_score_pass", lambda config: True)  # the loop before the change
+  want_params, want_rows = smoke_run("scoring_pass")
+  assert scored_rows == ["update", "update"]  # one scoring pass of the update batch a step
+  assert params.keys() == want_params.keys()
+  for name, want in want_params.items():
+    np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+  for got, want in zip(rows, want_rows, strict=True):
+    for key in ("loss/policy", "loss/total", "optim/grad_norm", "policy/fresh/ratio_mean"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
