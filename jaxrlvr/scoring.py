@@ -2,10 +2,11 @@
 
 The trainer calls `score` inside its loss (old log-probs, the policy ratio, the entropy bonus) and ExGRPO calls it to
 pick the lowest-entropy stored answer. With a 152k vocabulary and 8k tokens, full fp32 logits would be ~5 GB per
-sequence, so the final projection is done in chunks: a `lax.map` over sequence chunks of `chunk_size` positions, each
-rematerialised (`jax.checkpoint`) so the backward pass recomputes its logits instead of storing them, and inside each
-a `lax.scan` over vocabulary chunks with an online log-sum-exp. Peak logits memory is [B, chunk_size,
-vocab_chunk_size] (forward and backward).
+sequence, so the final projection is done in chunks: a `lax.map` over sequence chunks of `chunk_size` positions, and
+inside each a `lax.scan` over vocabulary chunks with an online log-sum-exp. The backward pass is written out
+(`_head_bwd`, a custom VJP): it keeps only log Z and the mean logit per position from the forward pass and computes
+each logits block once more, where remat with autodiff computed it twice more and stored the softmax. Peak logits
+memory is [B, chunk_size, vocab_chunk_size] (forward and backward).
 
 Definitions (match `jaxrlvr.rollout.generate` at temperature T with no top-k / top-p):
   logprobs[:, t] = log softmax(logits_{t-1} / T)[input_ids[:, t]],  entropies[:, t] = entropy of that distribution,
@@ -75,8 +76,8 @@ def chunked_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Arr
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
   hidden = hidden.reshape(batch, num_chunks, chunk, width).swapaxes(0, 1)  # [n, B, C, D]
   targets = targets.reshape(batch, num_chunks, chunk).swapaxes(0, 1)  # [n, B, C]
-  per_chunk = jax.checkpoint(functools.partial(_chunk_logprobs, unembedding=unembedding,
-                                               vocab_chunk_size=vocab_chunk_size, temperature=temperature))
+  per_chunk = functools.partial(_chunk_logprobs, unembedding=unembedding, vocab_chunk_size=vocab_chunk_size,
+                                temperature=temperature)
   logp, ent = jax.lax.map(per_chunk, (hidden, targets))  # [n, B, C] each
   logp = logp.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # [B, T]
   ent = ent.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # [B, T]
@@ -98,49 +99,105 @@ def _vocab_chunks(vocab: int, target: int) -> tuple[int, int]:
   return count, target
 
 
+# A logit this far below any real one gets weight exp(-1e30) = 0 in every sum, and keeps 0 * logit finite.
+_MASKED_LOGIT = -1e30
+
+
+def _vocab_slice(unembedding: jax.Array, index: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Vocabulary chunk `index`: its columns of the unembedding [D, Vc], their token ids [Vc] and a logit bias [Vc].
+  The last chunk starts at V - Vc; on its overlap with the chunk before (already counted there) the id is -1 (no
+  target matches it) and the bias _MASKED_LOGIT. Both are [Vc] vectors added or compared to the [B, C, Vc] logits,
+  never masks of the logits' shape: those depend on nothing but the chunk index, so JAX's partial evaluation would
+  hoist them out of the sequence-chunk map as one full-logits-sized array."""
+  vocab = unembedding.shape[1]
+  nominal = index * chunk
+  start = jnp.minimum(nominal, vocab - chunk)
+  column = start + jnp.arange(chunk)  # [Vc]
+  valid = column >= nominal  # [Vc]
+  bias = jnp.where(valid, 0.0, _MASKED_LOGIT).astype(jnp.float32)
+  return jax.lax.dynamic_slice_in_dim(unembedding, start, chunk, axis=1), jnp.where(valid, column, -1), bias
+
+
 def _chunk_logprobs(inputs: tuple[jax.Array, jax.Array], *, unembedding: jax.Array, vocab_chunk_size: int,
                     temperature: float) -> tuple[jax.Array, jax.Array]:
-  """One sequence chunk: hidden [B, C, D], targets [B, C] -> (logprobs, entropies) [B, C] via an online softmax.
-
-  Carry per position: running max m, s = sum exp(l - m), u = sum exp(l - m) (l - m), and the target's logit. Then
-  log Z = m + log s, and the entropy H = log Z - E[l] = log s - u / s.
-  """
+  """One sequence chunk: hidden [B, C, D], targets [B, C] -> (logprobs, entropies) [B, C] (see `_head`)."""
   hidden, targets = inputs
-  vocab = unembedding.shape[1]
-  num_chunks, chunk = _vocab_chunks(vocab, vocab_chunk_size)
-  hidden = hidden.astype(unembedding.dtype)
+  return _head(hidden, unembedding, targets, vocab_chunk_size, float(temperature))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, vocab_chunk_size: int,
+          temperature: float) -> tuple[jax.Array, jax.Array]:
+  """(logprobs, entropies) [B, C] of hidden [B, C, D] against unembedding [D, V], an online softmax over vocabulary
+  chunks; the VJP is written out (`_head_bwd`)."""
+  return _head_fwd(hidden, unembedding, targets, vocab_chunk_size, temperature)[0]
+
+
+def _head_fwd(hidden, unembedding, targets, vocab_chunk_size, temperature):
+  """Carry per position: running max m, s = sum exp(l - m), u = sum exp(l - m) (l - m), and the target's logit. Then
+  log Z = m + log s, and the entropy H = log Z - E[l] = log s - u / s. Saved for the backward pass: log Z and E[l]
+  per position ([B, C]), no logits."""
+  num_chunks, chunk = _vocab_chunks(unembedding.shape[1], vocab_chunk_size)
+  hidden_c = hidden.astype(unembedding.dtype)
   inv_t = jnp.float32(1.0 / temperature)
 
   def step(carry, index):
     m, s, u, target_logit = carry
-    nominal = index * chunk
-    start = jnp.minimum(nominal, vocab - chunk)
-    w = jax.lax.dynamic_slice_in_dim(unembedding, start, chunk, axis=1)  # [D, Vc]
-    logits = jnp.einsum("bcd,dv->bcv", hidden, w, preferred_element_type=jnp.float32) * inv_t  # [B, C, Vc]
-    column = start + jnp.arange(chunk)  # [Vc]
-    valid = column >= nominal  # [Vc]: False on the overlap already counted by the previous chunk
-    logits = jnp.where(valid, logits, -jnp.inf)
+    w, column, bias = _vocab_slice(unembedding, index, chunk)
+    logits = jnp.einsum("bcd,dv->bcv", hidden_c, w, preferred_element_type=jnp.float32) * inv_t + bias  # [B, C, Vc]
     new_m = jnp.maximum(m, jnp.max(logits, axis=-1))  # [B, C]
     scale = jnp.exp(m - new_m)
-    centred = jnp.where(valid, logits - new_m[..., None], 0.0)  # [B, C, Vc]
-    e = jnp.where(valid, jnp.exp(centred), 0.0)
+    centred = logits - new_m[..., None]  # [B, C, Vc]
+    e = jnp.exp(centred)  # 0 on masked columns, where e * centred = 0 * -1e30 = 0
     # Re-centre the old sums on the new max: sum e^{l-m'} (l-m') = e^{m-m'} (u + s (m - m')).
     u = scale * (u + s * (m - new_m)) + jnp.sum(e * centred, axis=-1)
     s = scale * s + jnp.sum(e, axis=-1)
-    hit = column == targets[..., None]  # [B, C, Vc]; the target lies in exactly one valid column
-    target_logit = target_logit + jnp.sum(jnp.where(hit & valid, logits, 0.0), axis=-1)
+    hit = column == targets[..., None]  # [B, C, Vc]: the target, in exactly one unmasked column
+    target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     return (new_m, s, u, target_logit), None
 
   shape = targets.shape
-  # m starts at the most negative finite float, not -inf: s (m - m') must be 0, not 0 * inf = NaN (also in grads).
+  # m starts at the most negative finite float, not -inf: s (m - m') must be 0, not 0 * inf = NaN.
   zeros = jnp.zeros(shape, jnp.float32)
   init = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32), zeros, zeros, zeros)
-  if num_chunks == 1:
-    (m, s, u, target_logit), _ = step(init, jnp.zeros((), jnp.int32))
-  else:
-    (m, s, u, target_logit), _ = jax.lax.scan(jax.checkpoint(step), init, jnp.arange(num_chunks))
+  (m, s, u, target_logit), _ = jax.lax.scan(step, init, jnp.arange(num_chunks))
   log_z = m + jnp.log(s)
-  return target_logit - log_z, jnp.log(s) - u / s
+  entropy = jnp.log(s) - u / s
+  return (target_logit - log_z, entropy), (hidden, unembedding, targets, log_z, log_z - entropy)
+
+
+def _head_bwd(vocab_chunk_size, temperature, residuals, cotangents):
+  """Per vocabulary chunk, logits recomputed once: with p = softmax(l) and l = hidden . w / T,
+  d logp / d l = onehot(target) - p and d H / d l = -p (l - E[l]); then d hidden and that chunk's d w."""
+  hidden, unembedding, targets, log_z, mean_logit = residuals
+  d_logp, d_entropy = cotangents  # [B, C] each
+  num_chunks, chunk = _vocab_chunks(unembedding.shape[1], vocab_chunk_size)
+  hidden_c = hidden.astype(unembedding.dtype)
+  inv_t = jnp.float32(1.0 / temperature)
+
+  def step(carry, index):
+    d_hidden, d_unembedding = carry
+    w, column, bias = _vocab_slice(unembedding, index, chunk)
+    logits = jnp.einsum("bcd,dv->bcv", hidden_c, w, preferred_element_type=jnp.float32) * inv_t + bias  # [B, C, Vc]
+    p = jnp.exp(logits - log_z[..., None])  # 0 on masked columns
+    hit = column == targets[..., None]
+    d_logits = (d_logp[..., None] * (hit.astype(jnp.float32) - p)
+                - d_entropy[..., None] * p * (logits - mean_logit[..., None])) * inv_t  # d (hidden . w), [B, C, Vc]
+    d_logits = d_logits.astype(w.dtype)
+    d_hidden = d_hidden + jnp.einsum("bcv,dv->bcd", d_logits, w, preferred_element_type=jnp.float32)
+    d_w = jnp.einsum("bcd,bcv->dv", hidden_c, d_logits, preferred_element_type=jnp.float32)  # [D, Vc]
+    # The overlap columns of the last chunk got zero d_logits above, so adding the whole slice is exact.
+    start = jnp.minimum(index * chunk, unembedding.shape[1] - chunk)
+    current = jax.lax.dynamic_slice_in_dim(d_unembedding, start, chunk, axis=1)
+    d_unembedding = jax.lax.dynamic_update_slice_in_dim(d_unembedding, current + d_w, start, axis=1)
+    return (d_hidden, d_unembedding), None
+
+  init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(unembedding.shape, jnp.float32))
+  (d_hidden, d_unembedding), _ = jax.lax.scan(step, init, jnp.arange(num_chunks))
+  return d_hidden.astype(hidden.dtype), d_unembedding.astype(unembedding.dtype), None
+
+
+_head.defvjp(_head_fwd, _head_bwd)
 
 
 @functools.lru_cache(maxsize=32)

@@ -75,6 +75,17 @@ def test_chunked_logprobs_overlapping_vocab_and_memory():
   np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(full) * full, -1), atol=1e-5)
 
   loss = lambda h, w: jnp.sum(fn(h, w)[0]) + jnp.sum(fn(h, w)[1])
+  # The written-out backward pass, overlap columns and temperature included, against autodiff of full logits.
+  hot = lambda h, w: scoring.chunked_logprobs(h, w, targets, chunk_size=16, vocab_chunk_size=16, temperature=0.6)
+  hot_loss = lambda h, w: jnp.sum(hot(h, w)[0]) + 0.3 * jnp.sum(hot(h, w)[1])
+
+  def full_loss(h, w):
+    logp_all = jax.nn.log_softmax(h @ w / 0.6, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0]
+    return jnp.sum(logp) - 0.3 * jnp.sum(jnp.exp(logp_all) * logp_all)
+
+  for got, want in zip(jax.grad(hot_loss, argnums=(0, 1))(hidden, w), jax.grad(full_loss, argnums=(0, 1))(hidden, w)):
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hidden, w)
   largest = max(_sizes(jaxpr.jaxpr))
   assert largest <= max(b * 16 * 16, b * t * d, d * v), largest  # [B, C, Vc] vs inputs [B, T, D] = 1024, [D, V] = 536
