@@ -39,5 +39,7 @@ setuptools.setup(
         "gguf": ["gguf>=0.10", "accelerate", "torch"],
         "tfds": ["tensorflow-datasets>=4.9.8", "array-record"],
         "colab": ["matplotlib", "nbclient", "nbformat", "ipykernel"],
+        # The peers benchmarks/peer_grpo.py runs beside jaxrlvr on the same workload (TRL's GRPOTrainer, in PyTorch).
+        "peers": ["trl==1.16.0", "torch==2.13.0", "accelerate", "datasets>=3"],
     },
 )

@@ -248,8 +248,9 @@ class Trainer:
   def update(self, plan: replay.Plan, sampled: list, groups: list, rollout_info: dict,
              times: collections.Counter) -> tuple[dict, bool]:
     """The update batch built, scored under the current parameters where a later optimizer step needs its old
-    log-probs, the optimizer stepped, and the batch shown to the strategy. Returns ({"metrics": the update's, "mismatch": the sampler's log-prob gap}, whether the
-    fresh tokens were clipped); the strategy's share of the time goes to times["replay"], not "update"."""
+    log-probs, the optimizer stepped, and the batch shown to the strategy. Returns ({"metrics": the update's,
+    "mismatch": the sampler's log-prob gap}, whether the fresh tokens were clipped); the strategy's share of the
+    time goes to times["replay"], not "update"."""
     config, shapes = self.config, self.shapes
     clip_fresh = fresh_tokens_clipped(config, plan)
     dense = None

@@ -76,3 +76,30 @@ def test_update_split_benchmark_reports_every_part_against_the_matmul_peak():
   assert rows["matmul"][-1] == "100%", result.stdout
   for name, fields in rows.items():  # best s, median s, GFLOP, GFLOP/s, share of the matmul's
     assert len(fields) == 5 and all(float(f) > 0 for f in fields[:2]) and fields[-1].endswith("%"), (name, fields)
+
+
+@pytest.mark.slow
+def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(tmp_path):
+  pytest.importorskip("trl", reason="TRL is the peer: pip install -e '.[peers]' (CI installs it)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "peer_grpo.py"), "--model=tiny", "--steps=2",
+             "--eval_size=4", "--trl_threads=1", f"--workdir={tmp_path}"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  # The steps ran alternately, each system in its own process.
+  steps = [line.rsplit(":", 1)[0] for line in result.stderr.splitlines() if line.startswith("peer_grpo: step ")]
+  assert steps == ["peer_grpo: step 1 jaxrlvr", "peer_grpo: step 1 trl", "peer_grpo: step 2 jaxrlvr",
+                   "peer_grpo: step 2 trl"], result.stderr[-3000:]
+  rows = {line.split()[0]: line.split()[1:] for line in lines if line.split()[:1] in (["jaxrlvr"], ["trl"])}
+  # parity, steady s, first s, generation, reward, scoring, update, tok/s, peak GB
+  assert set(rows) == {"jaxrlvr", "trl"} and all(len(r) == 9 for r in rows.values()), result.stdout
+  assert float(rows["trl"][0]) <= 1e-4, result.stdout  # TRL computes the model jaxrlvr does
+  assert all(float(x) > 0 for r in rows.values() for x in (r[1], r[2], r[7], r[8])), result.stdout
+  assert float(rows["jaxrlvr"][5]) == 0 and float(rows["trl"][5]) == 0, result.stdout  # one optimizer step: no pass
+  assert any(re.fullmatch(r"steady step jaxrlvr / trl: \d+\.\d\d", line) for line in lines), result.stdout
+  for system in ("jaxrlvr", "trl"):
+    assert any(line.startswith(f"{system}: held-out greedy accuracy") and "(4 questions)" in line
+               for line in lines), result.stdout
+  assert any(line.startswith("versions: jax 0.") and "trl 1.16.0" in line for line in lines), result.stdout

@@ -44,7 +44,16 @@ def generate_with_transformers(hf_dir: str, prompts: list[str], tokenizer, *, ma
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  return greedy_with_transformers(model, prompts, tokenizer, max_new_tokens=max_new_tokens, batch=batch)
+
+
+def greedy_with_transformers(model, prompts: list[str], tokenizer, *, max_new_tokens: int,
+                             batch: int) -> tuple[list[str], list[int]]:
+  """`generate_with_transformers` with a loaded transformers model (put in eval mode)."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  model.eval()
   stops = model.generation_config.eos_token_id
   stops = set([stops] if isinstance(stops, int) else (stops or []))
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
