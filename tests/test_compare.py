@@ -231,6 +231,27 @@ def test_overrides_and_the_workdir_config_check(tmp_path):
     compare.check_workdir(spec, config)
 
 
+def test_the_workdir_config_check_resolves_a_shipped_models_path(tmp_path, monkeypatch):
+  # A run of a model preset with shipped weights saves the converted directory as model.path; the comparison's
+  # config still has it empty, and rerunning the command must resume that run, not refuse it.
+  from jaxrlvr.models import pretrained  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pretrained, "checkpoint_dir", lambda preset, cache_dir=None: f"/cache/{preset}-converted")
+  config = compare.method_config("grpo", smoke=True)
+  config.model.preset = "smollm2-135m"
+  spec = compare.RunSpec("grpo", 0, str(tmp_path / "grpo-s0"), str(tmp_path / "log"))
+  os.makedirs(spec.workdir)
+  saved = pretrained.resolve_paths(config).to_dict()
+  assert saved["model"]["path"] == "/cache/smollm2-135m-converted" and not config.model.path
+  with open(os.path.join(spec.workdir, "config.json"), "w") as f:
+    json.dump(saved, f)
+  compare.check_workdir(spec, config)
+  saved["model"]["path"] = "/elsewhere"
+  with open(os.path.join(spec.workdir, "config.json"), "w") as f:
+    json.dump(saved, f)
+  with pytest.raises(ValueError, match=r"model.path: '/elsewhere' -> '/cache/smollm2-135m-converted'"):
+    compare.check_workdir(spec, config)
+
+
 def test_presets_make_their_overrides():
   # data_limited: 200 steps x 16 questions over 800 questions (4 visits each); paper_shaped: 1,600 (2 visits).
   limited = compare.arms.preset("data_limited").run_overrides(steps=200, batch_size=16)

@@ -71,7 +71,9 @@ def check_workdir(spec: RunSpec, config) -> None:
   path = os.path.join(spec.workdir, "config.json")
   if not os.path.exists(path):
     return
-  from jaxrlvr import checkpointing  # pylint: disable=g-import-not-at-top  (orbax and jax: only when needed)
+  from jaxrlvr import checkpointing, models  # pylint: disable=g-import-not-at-top  (orbax and jax: only when needed)
+  # The run saved its config after filling in a shipped model's weights directory; so does this one before comparing.
+  config = models.resolve_paths(config)
   with open(path, encoding="utf-8") as f:
     changes = checkpointing.incompatible_changes(json.load(f), config.to_dict())
   if changes:
