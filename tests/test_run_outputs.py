@@ -98,6 +98,15 @@ def test_stderr_is_quiet_and_the_bar_whole(smoke_run):
   assert "train: 100%" in stderr
 
 
+def test_the_main_job_imports_no_torch():
+  # tensorboardX imports torch whenever it is installed (~1.6 s and ~300 MB in every run and test process); the
+  # metric writer hides torch for that import, and torch still imports afterwards.
+  pytest.importorskip("torch", reason="torch is not installed (the peers extra), so nothing can import it")
+  code = "import sys, jaxrlvr.main; assert 'torch' not in sys.modules, 'jaxrlvr.main imported torch'; import torch"
+  result = subprocess.run([sys.executable, "-c", code], cwd=_REPO, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
 def _record(pathname, level):
   return logging.LogRecord("absl", level, pathname, 1, "message", None, None)
 

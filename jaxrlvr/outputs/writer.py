@@ -7,14 +7,34 @@ Only process 0 writes. Values arrive as host floats: the loop fetches device met
 import concurrent.futures
 import json
 import os
+import sys
 import time
 
 import numpy as np
 import tqdm
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from jaxrlvr.outputs import records
+
+
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported without torch.
+
+  tensorboardX imports torch whenever it is installed (the `peers` extra installs it), only to accept torch tensors,
+  which this writer never passes; that costs every run and every test process ~1.6 s and ~300 MB. With torch hidden
+  for the import, tensorboardX takes it as absent; a later `import torch` works as usual."""
+  if "torch" in sys.modules or "tensorboardX" in sys.modules:
+    from tensorboardX import SummaryWriter as writer_class  # pylint: disable=g-import-not-at-top
+    return writer_class
+  sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+  try:
+    from tensorboardX import SummaryWriter as writer_class  # pylint: disable=g-import-not-at-top
+  finally:
+    del sys.modules["torch"]
+  return writer_class
+
+
+SummaryWriter = _summary_writer_class()
 
 # Shown in the progress bar, in this order, when present.
 _PROGRESS_KEYS = (("rollout/solve_rate", "solve"), ("eval/accuracy", "eval"), ("time/step_s", "s/step"),
