@@ -27,7 +27,12 @@ from jaxrlvr.rewards import math as math_rewards
 
 
 def _biased_coin_score(self, completions, answers, **kwargs):
-  rewards = np.array([zlib.crc32(c.encode()) % 4 == 0 for c in completions], np.float32)
+  # A quarter of each scored call is right, chosen by a hash of each row's position and text: never all wrong or
+  # all right, whatever the warm start samples. (A coin on the text alone fails when the smoke warm start repeats
+  # one answer in most rows, and which warm start a test gets depends on the test that trained the shared cache.)
+  order = np.argsort([zlib.crc32(f"{i}|{c}".encode()) for i, c in enumerate(completions)], kind="stable")
+  rewards = np.zeros(len(completions), np.float32)
+  rewards[order[:max(1, len(completions) // 4)]] = 1.0
   return rewards, dict(fast_path=len(completions), verified=0, timeouts=0, crashes=0, missing_think=0, seconds=0.0)
 
 
