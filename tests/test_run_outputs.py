@@ -99,7 +99,7 @@ def test_stderr_is_quiet_and_the_bar_whole(smoke_run):
 
 
 def test_the_main_job_imports_no_torch():
-  # tensorboardX imports torch whenever it is installed (~1.6 s and ~300 MB in every run and test process); the
+  # tensorboardX imports torch whenever it is installed (~1.6 s in every run and test process); the
   # metric writer hides torch for that import, and torch still imports afterwards.
   pytest.importorskip("torch", reason="torch is not installed (the peers extra), so nothing can import it")
   code = "import sys, jaxrlvr.main; assert 'torch' not in sys.modules, 'jaxrlvr.main imported torch'; import torch"

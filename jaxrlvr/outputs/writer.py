@@ -21,7 +21,7 @@ def _summary_writer_class():
   """tensorboardX's SummaryWriter, imported without torch.
 
   tensorboardX imports torch whenever it is installed (the `peers` extra installs it), only to accept torch tensors,
-  which this writer never passes; that costs every run and every test process ~1.6 s and ~300 MB. With torch hidden
+  which this writer never passes; that import cost every run and test process ~1.6 s. With torch hidden
   for the import, tensorboardX takes it as absent; a later `import torch` works as usual."""
   if "torch" in sys.modules or "tensorboardX" in sys.modules:
     from tensorboardX import SummaryWriter as writer_class  # pylint: disable=g-import-not-at-top
