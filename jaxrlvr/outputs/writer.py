@@ -22,15 +22,16 @@ def _summary_writer_class():
 
   tensorboardX imports torch whenever it is installed (the `peers` extra installs it), only to accept torch tensors,
   which this writer never passes; that import cost every run and test process ~1.6 s. With torch hidden
-  for the import, tensorboardX takes it as absent; a later `import torch` works as usual."""
-  if "torch" in sys.modules or "tensorboardX" in sys.modules:
-    from tensorboardX import SummaryWriter as writer_class  # pylint: disable=g-import-not-at-top
-    return writer_class
-  sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+  for the import, tensorboardX takes it as absent; a later `import torch` works as usual. A torch already imported
+  stays as it is."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
   try:
     from tensorboardX import SummaryWriter as writer_class  # pylint: disable=g-import-not-at-top
   finally:
-    del sys.modules["torch"]
+    if hide:
+      del sys.modules["torch"]
   return writer_class
 
 
