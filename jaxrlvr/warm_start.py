@@ -4,7 +4,9 @@ The result is an ordinary Hugging Face checkpoint directory (models.save_pretrai
 everything that determines it (model architecture, tokenizer vocabulary, task, steps, learning rate, batch, seed), so
 repeated runs, every method of a comparison and every seed of it start from the same weights without retraining.
 """
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -128,28 +130,54 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
   """The warm-started model, trained once and then loaded from `cache_dir/<key>` (an HF checkpoint directory)."""
   key = cache_key(model_config, tokenizer, pairs, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
   path = os.path.join(cache_dir or default_cache_dir(), key)
-  # Several processes: process 0 alone decides whether the entry exists (another run may finish it between two
-  # processes' checks), all of them train alike on the global mesh, process 0 alone writes, and the others read only
-  # after the barrier, so nobody races on the file or reads it half-written.
-  if not multihost.broadcast_flag(os.path.exists(os.path.join(path, "config.json"))):
-    logging.info("warm start: training %d supervised steps (cache %s)", steps, path)
-    model = train_supervised(model, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                             prompt_len=prompt_len, completion_len=completion_len, pad_id=tokenizer.pad_token_id,
-                             batch_sharding=parallel.batch_sharding(mesh))
-    if multihost.is_main():
-      # Write beside the target and rename, so a killed run never leaves a half-written cache entry.
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
-      models.save_pretrained(model, model_config, tmp)
-      try:
-        os.rename(tmp, path)
-      except OSError:  # another run finished the same warm start first
-        shutil.rmtree(tmp, ignore_errors=True)
-    multihost.barrier(f"warm_start_{key}")
-  else:
-    logging.info("warm start: reusing %s", path)
+  with _one_trainer(path):
+    # Several processes: process 0 alone decides whether the entry exists (another run may finish it between two
+    # processes' checks), all of them train alike on the global mesh, process 0 alone writes, and the others read
+    # only after the barrier, so nobody races on the file or reads it half-written.
+    if not multihost.broadcast_flag(os.path.exists(os.path.join(path, "config.json"))):
+      logging.info("warm start: training %d supervised steps (cache %s)", steps, path)
+      model = train_supervised(model, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                               prompt_len=prompt_len, completion_len=completion_len, pad_id=tokenizer.pad_token_id,
+                               batch_sharding=parallel.batch_sharding(mesh))
+      if multihost.is_main():
+        # Write beside the target and rename, so a killed run never leaves a half-written cache entry.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
+        models.save_pretrained(model, model_config, tmp)
+        try:
+          os.rename(tmp, path)
+        except OSError:  # another run (one that could not take the lock) finished the same warm start first
+          shutil.rmtree(tmp, ignore_errors=True)
+      multihost.barrier(f"warm_start_{key}")
+    else:
+      logging.info("warm start: reusing %s", path)
   loaded, _ = models.load_pretrained(path, dtype=jnp.dtype(model_config.param_dtype), mesh=mesh)
   return loaded
+
+
+@contextlib.contextmanager
+def _one_trainer(path: str):
+  """Holds `path`.lock while a single-process run checks for, trains and writes the entry, so runs started together
+  (the arms of `compare --parallel=N`, a test run's workers) train each warm start once: the others wait, then read
+  it. A multi-process run takes no lock: its processes train together, and one waiting on a lock would stall the
+  others in their collectives. Neither does a run that cannot create the lock file (a read-only cache directory): it
+  can still read an entry that is there."""
+  if jax.process_count() > 1:
+    yield
+    return
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock = open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), "a")
+  except OSError:
+    yield
+    return
+  with lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      logging.info("warm start: another run is training %s; waiting for it", path)
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    yield  # closing the file releases the lock
 
 
 EMBEDDED_PRESET = "tiny"  # the embedded default's model (configs/base.py)

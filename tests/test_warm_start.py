@@ -1,5 +1,8 @@
 """The supervised warm start: it lowers the completions' loss, and its step compiles once however many steps run."""
 import dataclasses
+import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +63,44 @@ def test_cache_key_ignores_how_the_model_is_computed():
     assert key(dataclasses.replace(config, **same)) == base, same
   assert key(dataclasses.replace(config, hidden_size=config.hidden_size * 2)) != base
   assert key(config, steps=11) != base
+
+
+def test_runs_started_together_train_a_warm_start_once(tmp_path, monkeypatch):
+  """Two runs that want the same entry at once (the arms of `compare --parallel=2`, a test run's two workers): one
+  trains it, the other waits on the entry's lock and then reads it, and both get the same weights."""
+  class Tokenizer:
+    pad_token_id = 0
+
+    def get_vocab(self):
+      return {"a": 0, "b": 1}
+
+  mesh = parallel.make_mesh(data=1, devices=jax.devices()[:1])
+  trained, started = [], threading.Event()
+
+  def train(model, pairs, **kwargs):
+    del pairs, kwargs
+    trained.append(threading.get_ident())
+    started.set()
+    time.sleep(2.0)  # the other run finds the entry missing and the lock taken
+    return model
+
+  monkeypatch.setattr(warm_start, "train_supervised", train)
+  results = {}
+
+  models_ = {name: parallel.create_model(_MODEL, mesh, seed=seed) for name, seed in (("first", 0), ("second", 1))}
+
+  def run(name):
+    results[name] = warm_start.cached_warm_start(
+        models_[name], _MODEL, Tokenizer(), _PAIRS, task="t", steps=3, lr=1e-3,
+        batch_size=2, seed=0, prompt_len=4, completion_len=4, cache_dir=str(tmp_path), mesh=mesh)
+
+  first = threading.Thread(target=run, args=("first",))
+  first.start()
+  assert started.wait(30)
+  run("second")  # a different initialisation: what it returns must be the first run's entry, not its own model
+  first.join()
+  assert len(trained) == 1
+  (entry,) = [e for e in os.listdir(tmp_path) if not e.startswith(".")]
+  assert sorted(os.listdir(tmp_path)) == sorted([entry, f".{entry}.lock"])  # no half-written copy left beside it
+  for a, b in zip(jax.tree.leaves(nnx.state(results["first"])), jax.tree.leaves(nnx.state(results["second"]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
