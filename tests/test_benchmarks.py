@@ -103,3 +103,18 @@ def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(
     assert any(line.startswith(f"{system}: held-out greedy accuracy") and "(4 questions)" in line
                for line in lines), result.stdout
   assert any(line.startswith("versions: jax 0.") and "trl 1.16.0" in line for line in lines), result.stdout
+
+
+@pytest.mark.slow
+def test_preset_rollout_benchmark_times_both_samplers_on_the_same_rows():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "preset_rollout.py"),
+             "--config=configs/exgrpo.py:smoke", "--calls=2",
+             f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  rows = {line.split()[0]: line.split()[1:] for line in lines[-3:-1]}
+  assert list(rows) == ["static", "continuous"], result.stdout
+  assert all(len(fields) == 5 and float(fields[0]) > 0 for fields in rows.values()), result.stdout
+  assert lines[-1].startswith("rows with the same tokens: 100%;"), result.stdout  # the tiny model: no flipped draw
