@@ -321,6 +321,10 @@ def main() -> int:
   if flags.worker:
     with open(flags.spec, encoding="utf-8") as f:
       spec = json.load(f)
+    from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
+    # Both workers as the main job runs (before JAX or torch start): freed memory stays in the process. Measured
+    # alone on SmolLM2, TRL's step gains slightly from it too (11.5 s against 12.1 s), so each gets its better one.
+    xla_cpu.setup_process()
     out = os.fdopen(os.dup(1), "w")  # the protocol's channel; the libraries' prints go to the log
     os.dup2(2, 1)
     reply = lambda message: (out.write(json.dumps(message) + "\n"), out.flush())

@@ -33,6 +33,7 @@ sys.path.insert(0, _REPO)  # configs/ imports configs.base
 
 from jaxrlvr import rollout  # pylint: disable=wrong-import-position
 from jaxrlvr import run_setup  # pylint: disable=wrong-import-position
+from jaxrlvr import xla_cpu  # pylint: disable=wrong-import-position
 
 
 def load_config(spec: str):
@@ -50,6 +51,7 @@ def main() -> None:
   parser.add_argument("--calls", type=int, default=6, help="timed calls of each sampler, interleaved")
   parser.add_argument("--warm_start_cache", default="", help="warm-start cache directory (default: the config's)")
   args = parser.parse_args()
+  xla_cpu.setup_process()  # as the main job runs: before JAX starts
 
   config = load_config(args.config)
   if args.warm_start_cache:

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import grpo  # pylint: disable=g-import-not-at-top
 from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top
 from jaxrlvr import run_setup  # pylint: disable=g-import-not-at-top
+from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
 from jaxrlvr import scoring  # pylint: disable=g-import-not-at-top
 from jaxrlvr import step as step_lib  # pylint: disable=g-import-not-at-top
 
@@ -68,6 +69,7 @@ def main():
                       help="train.num_minibatches (optimizer steps per batch); 0: the config's")
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
+  xla_cpu.setup_process()  # as the main job runs: before JAX starts
 
   config = grpo.get_config(f"model={args.model}")
   if args.minibatches:

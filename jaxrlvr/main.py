@@ -52,7 +52,7 @@ def main(argv):
     _fail(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --config.optim.lr=1e-6")
   _check_workdir(_WORKDIR.value)
   logs.setup(verbose=_verbose(), log_sharding=_LOG_SHARDING.value)  # libraries' INFO lines off (logs.py)
-  xla_cpu.size_thread_pool()  # before JAX creates its CPU client: fake CPU devices' collectives need the threads
+  xla_cpu.setup_process()  # before JAX starts: the CPU client's threads, and a malloc that keeps freed memory
   use_compilation_cache(_CONFIG.value.get("compilation_cache_dir", ""))
   try:
     from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top  (flags parse before jax initialises)

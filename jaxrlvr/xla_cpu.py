@@ -1,4 +1,5 @@
-"""XLA:CPU's thread pool, sized so that collectives over several CPU devices of one process cannot deadlock.
+"""XLA:CPU's process settings: a thread pool sized so that collectives over several CPU devices of one process
+cannot deadlock, and a malloc that keeps the memory XLA:CPU frees for the next step.
 
 XLA:CPU's PjRt client runs two kinds of work on one pool of max(PJRT_NPROC or the cores, local CPU devices) threads:
 the launch of each device's share of a program, which waits for a free slot while that device already has 32
@@ -11,8 +12,10 @@ all reduce ... only 7 of them arrived"). A dispatching thread waits until its la
 one launch per device waits at a time: a pool of twice the device count always leaves the all-reduce its threads.
 
 The client reads PJRT_NPROC once, when JAX creates it (the first `jax.devices()` or computation), so
-`size_thread_pool` must run before that: tests/conftest.py and `main` call it first.
+`size_thread_pool` must run before that: tests/conftest.py and `main` call it first (`setup_process`).
 """
+import ctypes
+import importlib.util
 import os
 import re
 from collections.abc import MutableMapping
@@ -46,3 +49,49 @@ def size_thread_pool(environ: MutableMapping[str, str] | None = None) -> None:
   needed = 2 * local_cpu_devices(environ)
   if needed > _default_pool_size(environ):
     environ["PJRT_NPROC"] = str(needed)
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def runs_on_cpu(environ: MutableMapping[str, str] | None = None) -> bool:
+  """Whether JAX will compute on the CPU, told without starting it: JAX_PLATFORMS names cpu first, or (unset) no
+  accelerator plugin is installed."""
+  environ = os.environ if environ is None else environ
+  platforms = environ.get("JAX_PLATFORMS", "").strip()
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
+
+
+def keep_freed_memory() -> bool:
+  """Makes glibc's malloc keep freed memory for reuse instead of handing it back to the OS. Returns whether it did
+  (False where the C library is not glibc).
+
+  XLA:CPU allocates a step's temporaries with malloc and frees them when the step ends. By default glibc returns
+  large blocks to the OS (mmap'd blocks over 32 MB, the tops of the per-thread heaps), so the next step faults every
+  page in again and the kernel zeroes it: on the smollm2-135m preset 1.5 million page faults a step, 7 s of system
+  time, and a GRPO update of 10.5 s instead of 5.6 s (docs/benchmarks.md). One arena, no mmap'd blocks and no
+  trimming (-1: never; a finite threshold, an int, stops at 2 GB, less than one update frees) keep those pages in
+  the process. The process's RSS stays at its peak, which it reaches in the first
+  step anyway. Call it before JAX starts its threads: a thread that has already allocated keeps its own arena.
+  """
+  try:
+    libc = ctypes.CDLL(None)
+    libc.gnu_get_libc_version  # pylint: disable=pointless-statement  (glibc's alone: another libc's mallopt differs)
+    mallopt = libc.mallopt
+  except (OSError, AttributeError):
+    return False
+  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+  return all(mallopt(param, value) == 1 for param, value in
+             ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+
+
+def setup_process(environ: MutableMapping[str, str] | None = None) -> None:
+  """What a process needs before JAX starts: the CPU client's thread pool sized, and on the CPU, freed memory kept
+  for the next step (`keep_freed_memory`). The main job, the SFT control and the benchmarks' workers call it first."""
+  size_thread_pool(environ)
+  if runs_on_cpu(environ):
+    keep_freed_memory()

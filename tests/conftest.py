@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 devices on 2 cores would give XLA:CPU a pool of 8 threads, too few for an all-reduce over 8 devices once steps are
 # queued ahead (a deadlock, then an abort after 40 s; see jaxrlvr/xla_cpu.py). Set before any test starts JAX, and
 # inherited by the jobs tests run in subprocesses.
-xla_cpu.size_thread_pool()
+xla_cpu.setup_process()  # and on the CPU, a malloc that keeps freed memory, as the main job has
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One warm-start cache for every end-to-end test of a session (train, compare, notebooks): the smoke warm start is

@@ -164,7 +164,7 @@ def main(argv) -> None:
   if len(argv) > 1:
     sys.exit(f"sft_control: error: unexpected arguments {argv[1:]}")
   logs.setup()
-  xla_cpu.size_thread_pool()  # before JAX creates its CPU client
+  xla_cpu.setup_process()  # before JAX starts (as the main job's)
   try:
     run(_CONFIG.value, _WORKDIR.value, wall_s=_WALL_S.value, evals=_EVALS.value, lr=_LR.value,
         all_questions=_ALL_QUESTIONS.value)
