@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import grpo  # pylint: disable=g-import-not-at-top
 from jaxrlvr import parallel  # pylint: disable=g-import-not-at-top
 from jaxrlvr import run_setup  # pylint: disable=g-import-not-at-top
-from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
 from jaxrlvr import scoring  # pylint: disable=g-import-not-at-top
 from jaxrlvr import step as step_lib  # pylint: disable=g-import-not-at-top
+from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
 
 _MATMUL = 2048
 
