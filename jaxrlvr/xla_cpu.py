@@ -73,7 +73,7 @@ def keep_freed_memory() -> bool:
   XLA:CPU allocates a step's temporaries with malloc and frees them when the step ends. By default glibc returns
   large blocks to the OS (mmap'd blocks over 32 MB, the tops of the per-thread heaps), so the next step faults every
   page in again and the kernel zeroes it: on the smollm2-135m preset 1.5 million page faults a step, 7 s of system
-  time, and a GRPO update of 10.5 s instead of 5.6 s (docs/benchmarks.md). One arena, no mmap'd blocks and no
+  time, and a GRPO update of 10-12 s instead of about 6 s (docs/benchmarks.md). One arena, no mmap'd blocks and no
   trimming (-1: never; a finite threshold, an int, stops at 2 GB, less than one update frees) keep those pages in
   the process. The process's RSS stays at its peak, which it reaches in the first step anyway. Call it before JAX
   starts its threads: a thread that has already allocated keeps its own arena.
