@@ -1,5 +1,6 @@
 """On the CPU, the memory a step frees stays in the process for the next one (xla_cpu.keep_freed_memory): with
 glibc's defaults every large block freed goes back to the OS and is faulted in, and zeroed, again on its next use."""
+import platform
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ def _faults_after_the_first_use(mode: str) -> int:
   return int(result.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc is what is tuned")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc is what is tuned; this C library is not glibc")
 def test_freed_memory_is_reused_without_page_faults():
   default, keep = _faults_after_the_first_use("default"), _faults_after_the_first_use("keep")
   # glibc hands the block back, so every page faults again (4 KB pages; 2 MB ones where the kernel gives huge pages).
