@@ -6,7 +6,7 @@ ShapeDtypeStructs sharded over fsdp=8 on 8 CPU devices and compiled, never run, 
 qwen2.5-math-7b preset cut to 1, 2 and 3 layers at the paper's lengths (1024 + 8192 tokens, 1024 rollouts, the
 shipped sampler bounds). Compute is float32: XLA:CPU computes bfloat16 dots in float32 and keeps float32 copies an
 accelerator would not. The compile runs in a subprocess because XLA:CPU reads `plan.CPU_MEMORY_FLAGS` only
-when its client starts (plan/report.py's docstring says why they are needed). About a minute on 2 cores.
+when its client starts (plan/report.py's docstring says why they are needed). About 40 s on 2 cores.
 """
 import json
 import os
@@ -63,7 +63,8 @@ def _config():
 @pytest.fixture(scope="module")
 def measured():
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {plan.CPU_MEMORY_FLAGS}"}
+         "XLA_FLAGS": (f"--xla_force_host_platform_device_count=8 {plan.CPU_MEMORY_FLAGS} "
+                       f"{plan.CPU_COMPILE_ONLY_FLAGS}")}
   script = _SCRIPT % (_LAYERS, _LAYERS, _ENGINE_PHASES)
   result = subprocess.run([sys.executable, "-c", script], cwd=_ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)

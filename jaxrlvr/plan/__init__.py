@@ -8,7 +8,7 @@
 - `report.py`: the printed plan and the command line.
 The rows, shapes and sampler bounds it plans for are those a run derives from the config (jaxrlvr/run_setup.py).
 """
-from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_MEMORY_FLAGS, GB, PHASE_FUNCTIONS, USABLE_FRACTION,
-                                 Accelerator, Workload, fits, param_table, phase_terms, plan_memory, replay_estimate,
-                                 shard_shape, spec_mesh, workload)
+from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_COMPILE_ONLY_FLAGS, CPU_MEMORY_FLAGS, GB, PHASE_FUNCTIONS,
+                                 USABLE_FRACTION, Accelerator, Workload, fits, param_table, phase_terms, plan_memory,
+                                 replay_estimate, shard_shape, spec_mesh, workload)
 from jaxrlvr.plan.report import format_plan, format_xla, parse_mesh, plans_by_backend

@@ -93,8 +93,8 @@ import jax
 from jaxrlvr import config_lib
 from jaxrlvr import run_setup
 from jaxrlvr.plan import memory as memory_lib
-from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_MEMORY_FLAGS, GB, USABLE_FRACTION, fits, plan_memory,
-                                 workload)
+from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_COMPILE_ONLY_FLAGS, CPU_MEMORY_FLAGS, GB,
+                                 USABLE_FRACTION, fits, plan_memory, workload)
 
 
 def plans_by_backend(config: Any, mesh_shape: Sequence[int], accelerators: Sequence[str],
@@ -243,7 +243,8 @@ def _plan() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   if f.xla:  # before JAX starts its CPU client (harmless elsewhere: the flags are XLA:CPU's)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_FLAGS}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_FLAGS} {CPU_COMPILE_ONLY_FLAGS}".strip())
   config = f.config
   if f.mesh:
     mesh_shape = parse_mesh(f.mesh)
