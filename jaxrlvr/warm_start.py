@@ -6,7 +6,6 @@ repeated runs, every method of a comparison and every seed of it start from the 
 """
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ from flax import nnx
 import ml_collections
 
 from jaxrlvr import data as data_lib
+from jaxrlvr import file_lock
 from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
@@ -157,27 +157,14 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
 
 @contextlib.contextmanager
 def _one_trainer(path: str):
-  """Holds `path`.lock while a single-process run checks for, trains and writes the entry, so runs started together
-  (the arms of `compare --parallel=N`, a test run's workers) train each warm start once: the others wait, then read
-  it. A multi-process run takes no lock: its processes train together, and one waiting on a lock would stall the
-  others in their collectives. Neither does a run that cannot create the lock file (a read-only cache directory): it
-  can still read an entry that is there."""
+  """Runs started together (the arms of `compare --parallel=N`, a test run's workers) train each warm start once: the
+  others wait, then read it. A multi-process run takes no lock: its processes train together, and one waiting on a
+  lock would stall the others in their collectives."""
   if jax.process_count() > 1:
     yield
     return
-  try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    lock = open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), "a")
-  except OSError:
+  with file_lock.one_writer(path, "warm start"):
     yield
-    return
-  with lock:
-    try:
-      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      logging.info("warm start: another run is training %s; waiting for it", path)
-      fcntl.flock(lock, fcntl.LOCK_EX)
-    yield  # closing the file releases the lock
 
 
 EMBEDDED_PRESET = "tiny"  # the embedded default's model (configs/base.py)
@@ -206,7 +193,7 @@ def embedded_pairs(config, tokenizer, max_rows: int):
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
   try:
-    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.prompt_ids, max_rows=max_rows,
+    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.prompt_ids_batch, max_rows=max_rows,
                                                completion_len=config.rollout.max_new_tokens)
   except ValueError as e:  # a DataError too: this run's lengths are shorter than the embedded task's
     raise data_lib.DataError(f"config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit "

@@ -3,13 +3,14 @@ import os
 import shutil
 import tempfile
 
-# One persistent XLA compilation cache for the whole test run, shared by its xdist workers and the jobs tests start
-# in subprocesses: most tests build the same tiny models and steps, so each function compiles once a run instead of
-# once a test and process. The controller (which loads this file first, from testpaths) picks the directory and the
-# workers inherit it; a new one each run, so a run never reads what an older jax or older code compiled, and the
-# controller removes it at the end.
-_XLA_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"jaxrlvr-test-xla-{os.getuid()}-{os.getpid()}"))
+# One directory per test run for what its xdist workers and the jobs tests start in subprocesses share: the
+# controller (which loads this file first, from testpaths) picks it, the workers inherit it, and the controller
+# removes it at the end. A new one each run, so a run never reads what an older jax or older code made.
+_RUN_DIR = os.environ.setdefault("JAXRLVR_TEST_RUN_DIR", os.path.join(
+    tempfile.gettempdir(), f"jaxrlvr-test-run-{os.getuid()}-{os.getpid()}"))
+# In it, a persistent XLA compilation cache: most tests build the same tiny models and steps, so each function
+# compiles once a run instead of once a test and process.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_RUN_DIR, "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in under 1 s
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -34,5 +35,5 @@ os.environ.setdefault("JAXRLVR_WARM_START_CACHE",
 
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
-  if not os.environ.get("PYTEST_XDIST_WORKER") and _XLA_CACHE.startswith(tempfile.gettempdir()):
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+  if not os.environ.get("PYTEST_XDIST_WORKER") and _RUN_DIR.startswith(tempfile.gettempdir()):
+    shutil.rmtree(_RUN_DIR, ignore_errors=True)

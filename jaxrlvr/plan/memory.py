@@ -6,6 +6,7 @@ phases for XLA's own figures. Nothing here allocates: the model is built with `n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Sequence
@@ -120,10 +121,16 @@ def spec_mesh(mesh_shape: Sequence[int]) -> tuple[Any, str]:
   return AbstractMesh(mesh_shape, parallel.MESH_AXES), "abstract"
 
 
+@functools.lru_cache(maxsize=16)
+def _abstract_params(cfg: models.ModelConfig):
+  # Tracing an 8B model's constructor takes about a second, and one model is often planned on several meshes and for
+  # several methods (the CLI's accelerator table, the tests).
+  return nnx.state(nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+
+
 def param_table(cfg: models.ModelConfig, mesh: Any) -> list[tuple[str, tuple[int, ...], PartitionSpec, int]]:
   """(path, global shape, PartitionSpec, dtype bytes) of every parameter, from an abstract model (no memory)."""
-  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
+  state = _abstract_params(cfg)
   specs = dict(nnx.to_flat_state(parallel.param_specs(state, mesh)))
   table = []
   for path, var in nnx.to_flat_state(state):
