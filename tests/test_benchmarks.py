@@ -32,6 +32,7 @@ def test_sampler_benchmark_runs_on_two_cpu_devices():
   assert "GPU section skipped" in result.stdout
 
 
+@pytest.mark.slow  # the benchmark script end to end
 def test_gpu_section_runs_its_code_on_cpu():
   """The GPU section (the static sampler's bandwidth table, then the engine on long-tailed answers) at toy sizes on
   CPU, so that a machine with a GPU runs code that has run before; no figure is asserted."""

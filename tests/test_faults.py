@@ -144,6 +144,7 @@ def _signal_script(tmp_path, save_s):
   return proc
 
 
+@pytest.mark.slow  # a whole main command
 def test_sigint_exits_130_and_a_second_signal_ends_the_save_at_once(tmp_path):
   proc = _signal_script(tmp_path, 0.0)
   proc.send_signal(signal.SIGINT)
@@ -346,6 +347,7 @@ def _two_processes(path, script: str) -> list[subprocess.Popen]:
                            stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
+@pytest.mark.slow  # two processes
 def test_a_dead_process_stops_the_others_with_one_line_not_a_hang(tmp_path):
   # Two real processes (JAX's distributed runtime, gloo collectives on CPU) agree every step, as the loop does; one
   # is killed with SIGKILL. The other must stop within seconds, exit 2, with one line that says what happened, and
@@ -384,6 +386,7 @@ _AGREE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two processes
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path):
   # SIGTERM reaches process 1 only (a scheduler that signals one task): both processes leave the loop after the same
   # step, so they save the same checkpoint and neither waits in a collective the other has left.

@@ -207,6 +207,7 @@ def _config_json(workdir) -> str:
     return f.read()
 
 
+@pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 def test_finished_run_with_the_same_config_has_nothing_to_do(finished_copy):
   workdir, config_json = finished_copy
   result = _main(*_grpo(workdir, "--config.total_steps=1"))
@@ -214,6 +215,7 @@ def test_finished_run_with_the_same_config_has_nothing_to_do(finished_copy):
   assert _config_json(workdir) == config_json
 
 
+@pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 @pytest.mark.parametrize("override, change", [
     ("--config.optim.lr=1e-3", "optim.lr: 3e-05 -> 0.001"),  # a change an unfinished run refuses too
     ("--config.log_every=3", "log_every: 1 -> 3"),  # one it allows: a finished run would still ignore it
@@ -225,6 +227,7 @@ def test_finished_run_refuses_a_change_it_would_ignore(finished_copy, override, 
   assert _config_json(workdir) == config_json
 
 
+@pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 def test_extending_a_finished_run_refuses_a_change_that_breaks_resumption(finished_copy):
   workdir, config_json = finished_copy
   line = _error_line(_main(*_grpo(workdir, "--config.total_steps=2", "--config.optim.lr=1e-3")))
@@ -232,6 +235,7 @@ def test_extending_a_finished_run_refuses_a_change_that_breaks_resumption(finish
   assert _config_json(workdir) == config_json
 
 
+@pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 def test_a_larger_total_steps_extends_a_finished_run_and_says_so(finished_copy):
   workdir, _ = finished_copy
   result = _main(*_grpo(workdir, "--config.total_steps=2"))

@@ -45,6 +45,7 @@ def _eval_steps(workdir):
                 if "eval/accuracy" in r)
 
 
+@pytest.mark.slow  # the module fixture runs a whole main command
 def test_summary_png_is_drawn(smoke_run):
   workdir, _ = smoke_run
   path = os.path.join(workdir, outputs.SUMMARY_FILE)
@@ -56,6 +57,7 @@ def test_summary_png_is_drawn(smoke_run):
   assert not [n for n in os.listdir(workdir) if n.startswith(".partial-")]
 
 
+@pytest.mark.slow  # the module fixture runs a whole main command
 def test_samples_jsonl_has_greedy_answers_at_every_eval(smoke_run):
   workdir, _ = smoke_run
   rows = outputs.read_jsonl(os.path.join(workdir, outputs.SAMPLES_FILE))
@@ -76,6 +78,7 @@ def test_samples_jsonl_has_greedy_answers_at_every_eval(smoke_run):
   assert all(r["prompt"].startswith("Q: ") for r in rows)  # the embedded task's plain template
 
 
+@pytest.mark.slow  # the module fixture runs a whole main command
 def test_stderr_is_quiet_and_the_bar_whole(smoke_run):
   workdir, stderr = smoke_run
   assert "Unable to initialize backend" not in stderr

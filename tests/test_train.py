@@ -11,6 +11,8 @@ import pytest
 
 from jaxrlvr import outputs
 
+pytestmark = pytest.mark.slow  # every test here runs whole main commands
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 600
 
@@ -69,7 +71,6 @@ def test_smoke_runs_every_method(method, tmp_path, warm_cache):
   assert "is finished" in again.stdout
 
 
-@pytest.mark.slow
 def test_sigkill_after_first_checkpoint_resumes_exactly(tmp_path, warm_cache):
   reference = str(tmp_path / "reference")
   _run("exgrpo", reference, warm_cache)

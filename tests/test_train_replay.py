@@ -75,7 +75,8 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
     monkeypatch.setattr(train.rollout, "sample_groups", _sampler_logprobs_of(-30.0))
   config = importlib.import_module(f"configs.{method}").get_config("smoke")
   with config.unlocked():
-    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
+    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
+    config.warm_start.steps = 0  # the coin decides the rewards: no warm start needed (nor trained in the fast tier)
     config.total_steps = 4
     config.eval_every = 4
     if method == "exgrpo":  # replay turns on after step 1 (the coin's solve rate is ~0.25), not from the start
@@ -125,7 +126,8 @@ def test_one_optimizer_step_a_batch_skips_the_scoring_pass_and_trains_the_same(t
   def smoke_run(name):
     config = grpo.get_config("smoke")
     with config.unlocked():
-      config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]
+      config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
+      config.warm_start.steps = 0  # two runs from the same random initialisation: no warm start to train
       config.total_steps = 2
       config.eval_every = 100
     workdir = str(tmp_path / name)
