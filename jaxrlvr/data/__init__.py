@@ -19,7 +19,6 @@ from jaxrlvr.data.templates import stop_token_ids
 from jaxrlvr.data.templates import TEMPLATES
 from jaxrlvr.data.tokenizer import embedded_tokenizer_dir
 from jaxrlvr.data.tokenizer import load_tokenizer
-from jaxrlvr.data.tokenizer import token_ids
 from jaxrlvr.data.tokenizer import tokenizer_from_config
 from jaxrlvr.data.types import DataError
 from jaxrlvr.data.types import describe_row
@@ -28,5 +27,5 @@ from jaxrlvr.data.types import Source
 
 __all__ = ["ArithmeticSource", "DataError", "Example", "ListSource", "QuestionIterator", "Source", "Subset",
            "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "format_prompt", "hold_out",
-           "load_tokenizer", "make_source", "sources_from_config", "stop_token_ids", "token_ids",
-           "tokenizer_from_config", "warm_start_pairs", "warm_start_texts"]
+           "load_tokenizer", "make_source", "sources_from_config", "stop_token_ids", "tokenizer_from_config",
+           "warm_start_pairs", "warm_start_texts"]

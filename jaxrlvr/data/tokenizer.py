@@ -118,13 +118,6 @@ def _declared_class(path: str) -> str:
     return ""
 
 
-def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-  """Each text's token ids, no special tokens added, in one batched call. Only the ids are built: transformers'
-  attention masks and type ids would take a third of the call's time on short texts."""
-  return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
-                   return_token_type_ids=False)["input_ids"]
-
-
 def tokenizer_from_config(config):
   """The run's tokenizer: `config.tokenizer.path`; when that is empty, the tokenizer saved beside the weights of
   `config.model.path` (an HF checkpoint or a run's DIR/hf export), else the embedded one (cached under

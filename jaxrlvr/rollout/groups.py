@@ -25,8 +25,6 @@ from jaxrlvr import data as data_lib
 from jaxrlvr import replay
 from jaxrlvr.rollout import sampler
 
-_TOKENIZE_CHUNK = 4096  # prompts a tokenizer call
-
 
 class PromptBook:
   """Question id -> prompt token ids and gold answer, tokenised once per question."""
@@ -42,22 +40,14 @@ class PromptBook:
     return self.source[qid]
 
   def prompt_ids(self, qid: int) -> list[int]:
-    return self.prompt_ids_batch([qid])[0]
-
-  def prompt_ids_batch(self, qids: Sequence[int]) -> list[list[int]]:
-    """`prompt_ids` of each of `qids`; those not seen yet are tokenised together (the fast tokenizer batches them:
-    the warm start reads every row, 20,000 on the embedded task, in a tenth of the time one call each takes)."""
-    new = [q for q in dict.fromkeys(qids) if q not in self._ids]
-    for start in range(0, len(new), _TOKENIZE_CHUNK):
-      chunk = new[start:start + _TOKENIZE_CHUNK]
-      texts = [data_lib.format_prompt(self.source[q], template=self.template, tokenizer=self.tokenizer)
-               for q in chunk]
-      for qid, ids in zip(chunk, data_lib.token_ids(self.tokenizer, texts)):
-        if not 0 < len(ids) <= self.max_prompt_len:
-          raise ValueError(f"question {qid} of {self.source!r}: its prompt has {len(ids)} tokens, but "
-                           f"data.max_prompt_len is {self.max_prompt_len}; raise it or filter the data")
-        self._ids[qid] = ids
-    return [self._ids[q] for q in qids]
+    if qid not in self._ids:
+      text = data_lib.format_prompt(self.source[qid], template=self.template, tokenizer=self.tokenizer)
+      ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+      if not 0 < len(ids) <= self.max_prompt_len:
+        raise ValueError(f"question {qid} of {self.source!r}: its prompt has {len(ids)} tokens, but "
+                         f"data.max_prompt_len is {self.max_prompt_len}; raise it or filter the data")
+      self._ids[qid] = ids
+    return self._ids[qid]
 
   def answer(self, qid: int) -> str:
     return self.source[qid].answer
