@@ -28,8 +28,8 @@ from jaxrlvr.rewards import math as math_rewards
 
 def _biased_coin_score(self, completions, answers, **kwargs):
   # A quarter of each scored call is right, chosen by a hash of each row's position and text: with 2 rows or more,
-  # never all wrong or all right, whatever the warm start samples. (A coin on the text alone left a step-2 batch all
-  # wrong under one of the warm starts the shared test cache can hold, depending on which test trained it.)
+  # never all wrong or all right, whatever the policy samples. (A coin on the text alone once left a step-2 batch all
+  # wrong.)
   order = np.argsort([zlib.crc32(f"{i}|{c}".encode()) for i, c in enumerate(completions)], kind="stable")
   rewards = np.zeros(len(completions), np.float32)
   rewards[order[:max(1, len(completions) // 4)]] = 1.0
