@@ -1,7 +1,12 @@
 """Every test sees 8 fake CPU devices, so sharded code runs on a laptop and in CI."""
+import json
 import os
+import resource
 import shutil
 import tempfile
+import time
+
+import pytest
 
 # One directory per test run for what its xdist workers and the jobs tests start in subprocesses share: the
 # controller (which loads this file first, from testpaths) picks it, the workers inherit it, and the controller
@@ -37,3 +42,28 @@ os.environ.setdefault("JAXRLVR_WARM_START_CACHE",
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
   if not os.environ.get("PYTEST_XDIST_WORKER") and _RUN_DIR.startswith(tempfile.gettempdir()):
     shutil.rmtree(_RUN_DIR, ignore_errors=True)
+
+
+# JAXRLVR_TEST_CPU_LOG=FILE: one JSON line per test with the CPU seconds it cost, its worker's and those of the
+# processes it started (and waited for), set-up included. Under `-n 2` on 2 cores a test's wall time depends on what
+# the other worker runs; its CPU seconds do not, and their sum is what bounds the suite's wall time.
+_CPU_LOG = os.environ.get("JAXRLVR_TEST_CPU_LOG", "")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+  own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+  if not _CPU_LOG:
+    yield
+    return
+  (own, children), start = _cpu_seconds(), time.time()
+  yield
+  own_after, children_after = _cpu_seconds()
+  with open(_CPU_LOG, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"test": item.nodeid, "cpu_s": round(own_after - own, 2),
+                        "subprocess_cpu_s": round(children_after - children, 2),
+                        "wall_s": round(time.time() - start, 2)}) + "\n")
