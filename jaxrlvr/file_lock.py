@@ -21,6 +21,8 @@ def one_writer(path: str, what: str):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     lock = open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), "a")
   except OSError:
+    lock = None
+  if lock is None:  # yielded outside the except clause: an error in the caller's block is not chained to this one
     yield
     return
   with lock:
