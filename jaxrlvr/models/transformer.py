@@ -216,8 +216,20 @@ class Block(nnx.Module):
     return x, new_cache
 
 
+def _apply_block(graphdef: nnx.GraphDef, state: nnx.State, x, positions, key_mask, cache, cache_index):
+  return nnx.merge(graphdef, state)(x, positions, key_mask, cache, cache_index)
+
+
+# One jitted function for every block. Inside an outer jit, JAX traces and lowers a nested jit once per (graph,
+# input shapes) and reuses it, so the 30 blocks of a 30-layer model are traced once, not 30 times; XLA inlines the
+# calls when it compiles, so the compiled program is the unrolled one. Tracing the smollm2-135m preset's update went
+# from 2.9 s to 1.1 s (jax 0.10.2): with a warm compilation cache, tracing is what a run's first step still pays.
+_apply_block_jit = jax.jit(_apply_block, static_argnums=0)
+
+
 def _run_block(block: Block, x, positions, key_mask, cache, cache_index):
-  return block(x, positions, key_mask, cache, cache_index)
+  graphdef, state = nnx.split(block)
+  return _apply_block_jit(graphdef, state, x, positions, key_mask, cache, cache_index)
 
 
 def _run_block_remat(block: Block, x, positions, key_mask, cache, cache_index):
@@ -228,11 +240,8 @@ def _run_block_remat(block: Block, x, positions, key_mask, cache, cache_index):
   lax.map / while_loop bodies, so with remat on they failed.
   """
   graphdef, state = nnx.split(block)
-
-  def pure(state, *args):
-    return _run_block(nnx.merge(graphdef, state), *args)
-
-  return jax.checkpoint(pure)(state, x, positions, key_mask, cache, cache_index)
+  remat = jax.checkpoint(_apply_block_jit, static_argnums=0)
+  return remat(graphdef, state, x, positions, key_mask, cache, cache_index)
 
 
 class Transformer(nnx.Module):

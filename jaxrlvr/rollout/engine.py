@@ -350,7 +350,16 @@ def _write(segments: tuple, bounds: tuple, new: jax.Array, position: jax.Array, 
 def _layer_step(spec: EngineSpec, block: Any, x: jax.Array, position: jax.Array, active: jax.Array,
                 reach: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
   """One decoder block on one token per slot, x [S, D]: the block's own parameters and norms, the computation of
-  `models.transformer.Block` for T = 1 with a per-row cache slot."""
+  `models.transformer.Block` for T = 1 with a per-row cache slot. A nested jit, as `models.transformer` runs its
+  blocks: traced once for all the layers of a decode step, not once per layer."""
+  graphdef, state = nnx.split(block)
+  return _layer_step_jit(spec, graphdef, state, x, position, active, reach, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _layer_step_jit(spec: EngineSpec, graphdef: Any, state: Any, x: jax.Array, position: jax.Array,
+                    active: jax.Array, reach: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+  block = nnx.merge(graphdef, state)
   attn = block.attn
   c = attn.config
   dt = x.dtype
