@@ -9,7 +9,8 @@ of `rows` full-length rows, it times, round-robin after one warm-up call each:
   - update: the jitted GRPO update (`step.make_update_fn`, the preset's own config: optimizer, micro-batches);
   - score: the scoring pass the loop runs before it for the old log-probs (`step.make_score_fn`);
   - body forward, body forward+backward: the decoder stack alone (`model.hidden`), a sum of squares as the loss;
-  - head forward+backward: the log-prob and entropy head alone (`scoring.chunked_logprobs`) on fixed hidden states.
+  - head forward+backward: the log-prob and entropy head alone (`scoring.chunked_logprobs`) on fixed hidden states
+    of the completion positions, the ones the update scores.
 Each is reported as its best call (median), the FLOPs it must do (2 x parameters x tokens per matmul pass, plus
 attention's score and value products; a backward pass is twice a forward), and that as a share of the matmul
 throughput. The share says how far each part is from what this CPU can do.
@@ -37,15 +38,16 @@ from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
 _MATMUL = 2048
 
 
-def _forward_flops(model_config, params, rows: int, length: int) -> tuple[float, float]:
-  """(decoder stack, head) FLOPs of one forward pass over rows x length tokens."""
+def _forward_flops(model_config, params, rows: int, length: int, scored: int) -> tuple[float, float]:
+  """(decoder stack, head) FLOPs of one forward pass over rows x length tokens, the head on the last `scored` of
+  each row (the completion: `scoring.score(last=...)`)."""
   c = model_config
   unembedding = c.vocab_size * c.hidden_size
   # The input embedding is a gather; with tied embeddings its table is the unembedding, counted once, in the head.
   body = sum(x.size for x in jax.tree.leaves(params)) - unembedding * (1 if c.tie_embeddings else 2)
   tokens = rows * length
   attention = 4 * rows * length * length * c.num_heads * c.head_dim * c.num_layers  # q.k and p.v, every key
-  return 2.0 * body * tokens + attention, 2.0 * unembedding * tokens
+  return 2.0 * body * tokens + attention, 2.0 * unembedding * rows * scored
 
 
 def _batch(rows: int, prompt: int, completion: int, vocab: int) -> dict:
@@ -80,7 +82,7 @@ def main():
   graphdef, params = nnx.split(parallel.create_model(model_config, mesh, seed=0))
   batch = parallel.shard_batch(_batch(args.rows, args.prompt, args.completion, model_config.vocab_size), mesh)
   length = args.prompt + args.completion
-  body_flops, head_flops = _forward_flops(model_config, params, args.rows, length)
+  body_flops, head_flops = _forward_flops(model_config, params, args.rows, length, args.completion)
 
   optimizer = step_lib.make_optimizer(config)
   state = step_lib.create_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
@@ -95,10 +97,12 @@ def main():
     hidden, _ = nnx.merge(graphdef, p).hidden(ids, attention_mask=mask)  # [B, S, D]
     return jnp.sum(hidden * hidden)
 
-  hidden = jnp.asarray(np.random.RandomState(1).randn(args.rows, length, model_config.hidden_size), jnp.float32)
+  # The head's inputs: the hidden states before each completion token, [rows, completion, D].
+  hidden = jnp.asarray(np.random.RandomState(1).randn(args.rows, args.completion, model_config.hidden_size),
+                       jnp.float32)
 
   def head_loss(p, h):
-    logp, entropy = scoring.chunked_logprobs(h, nnx.merge(graphdef, p).unembedding(), ids,
+    logp, entropy = scoring.chunked_logprobs(h, nnx.merge(graphdef, p).unembedding(), ids[:, -args.completion:],
                                              chunk_size=scoring.DEFAULT_CHUNK_SIZE,
                                              vocab_chunk_size=scoring.DEFAULT_VOCAB_CHUNK_SIZE)
     return jnp.sum(logp) + jnp.sum(entropy)

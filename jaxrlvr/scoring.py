@@ -28,8 +28,10 @@ DEFAULT_VOCAB_CHUNK_SIZE = 32768
 
 def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
           vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE, temperature: float = 1.0,
-          positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """Teacher-forced (logprobs [B, T], entropies [B, T]) float32 of `input_ids` [B, T] under `model`.
+          positions: jax.Array | None = None, last: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Teacher-forced (logprobs [B, T], entropies [B, T]) float32 of `input_ids` [B, T] under `model`; with `last`,
+  those of the last `last` positions only ([B, last] each): the vocabulary-wide head then runs on those positions
+  alone, which is all an update over completions needs (on the smollm2-135m preset's 64 + 64 tokens, half of it).
 
   Pure and differentiable w.r.t. the model's parameters; call it inside your own jit (see `score_jit` for a jitted
   wrapper). `attention_mask` [B, T] marks real tokens (left padding before the prompt, right padding after the
@@ -46,18 +48,22 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
   if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
     raise ValueError(f"scoring.py: input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be the "
                      "same [B, T] shape")
+  batch, length = input_ids.shape
+  scored = length if last is None else last
+  if not 1 <= scored <= length:
+    raise ValueError(f"scoring.py: last={last} must be in [1, {length}], the sequence length")
   hidden, _ = model.hidden(input_ids, positions=positions, attention_mask=attention_mask)  # [B, T, D]
-  unembedding = model.unembedding()  # [D, V]
-  # Position t predicts token t + 1: score hidden[:, t] against input_ids[:, t + 1], then shift right by one.
-  targets = jnp.concatenate([input_ids[:, 1:], jnp.zeros_like(input_ids[:, :1])], axis=1)  # [B, T]
-  logp, ent = chunked_logprobs(hidden, unembedding, targets, chunk_size=chunk_size,
-                               vocab_chunk_size=vocab_chunk_size, temperature=temperature)
-  batch = input_ids.shape[0]
-  zero = jnp.zeros((batch, 1), jnp.float32)
-  keep = attention_mask.astype(bool)
-  logp = jnp.where(keep, jnp.concatenate([zero, logp[:, :-1]], axis=1), 0.0)
-  ent = jnp.where(keep, jnp.concatenate([zero, ent[:, :-1]], axis=1), 0.0)
-  return logp, ent
+  # Token t's log-prob is read from hidden[:, t - 1]; token 0 has no predecessor and scores 0.
+  start = length - scored
+  first = max(start, 1)
+  logp, ent = chunked_logprobs(hidden[:, first - 1:length - 1], model.unembedding(), input_ids[:, first:],
+                               chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+                               temperature=temperature)  # [B, T - first] each
+  if first > start:
+    zero = jnp.zeros((batch, 1), jnp.float32)
+    logp, ent = jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
+  keep = attention_mask[:, start:].astype(bool)
+  return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
 
 
 def chunked_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, chunk_size: int,

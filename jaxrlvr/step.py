@@ -88,9 +88,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 def completion_logprobs(model, batch: dict, temperature: float):
   """Teacher-forced log-probs and entropies of the completion tokens: ([R, T], [R, T])."""
-  logp, entropy = scoring.score(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
-  num_completion = batch["completion_mask"].shape[1]
-  return logp[:, -num_completion:], entropy[:, -num_completion:]
+  return scoring.score(model, batch["input_ids"], batch["attention_mask"], temperature=temperature,
+                       last=batch["completion_mask"].shape[1])
 
 
 def ratio_baseline(micro: dict, settings: objectives.LossSettings) -> jax.Array:

@@ -53,6 +53,18 @@ def test_score_equals_full_logits(model, chunk_size, vocab_chunk_size, temperatu
   assert np.all(np.asarray(logp)[np.asarray(mask) == 0] == 0)
 
 
+@pytest.mark.parametrize("last", [1, 6, 10, 11])
+def test_score_of_the_last_positions_is_the_full_scores_tail(model, last):
+  """`last` runs the head on the last positions alone (an update's completions); the numbers are the full
+  scoring's, position 0 included when `last` covers it."""
+  ids, mask = _batch()
+  logp, ent = jax.jit(lambda m, i, k: scoring.score(m, i, k, chunk_size=4, last=last))(model, ids, mask)
+  ref_logp, ref_ent = _reference(model, ids, mask)
+  assert logp.shape == ent.shape == (3, last)
+  np.testing.assert_allclose(logp, ref_logp[:, -last:], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(ent, ref_ent[:, -last:], atol=1e-5, rtol=0)
+
+
 def test_vocab_chunks():
   assert scoring._vocab_chunks(64, 24) == (4, 16)  # 3 chunks of ~24 do not divide 64; 4 of 16 do
   assert scoring._vocab_chunks(151936, 32768) == (8, 18992)  # Qwen2.5: 151936 = 8 * 18992
@@ -145,3 +157,5 @@ def test_score_rejects_bad_arguments(model):
     scoring.score(model, ids, mask, temperature=0.0)
   with pytest.raises(ValueError, match="same"):
     scoring.score(model, ids, mask[:, :-1])
+  with pytest.raises(ValueError, match="last=12"):
+    scoring.score(model, ids, mask, last=12)

@@ -214,8 +214,9 @@ def attention_bytes(w: Workload, rows: int, q_len: int, kv_len: int, *, backward
 
 
 def _logits_chunk_bytes(w: Workload, rows: int, copies: int) -> int:
-  """The scorer's [rows, chunk, vocab_chunk] f32 logits (`scoring.py`), `copies` of them live at once."""
-  chunk = min(scoring.DEFAULT_CHUNK_SIZE, w.seq_len)
+  """The scorer's [rows, chunk, vocab_chunk] f32 logits (`scoring.py`, over the completion positions), `copies` of
+  them live at once."""
+  chunk = min(scoring.DEFAULT_CHUNK_SIZE, w.completion_len)
   vocab_chunk = scoring._vocab_chunks(w.vocab, scoring.DEFAULT_VOCAB_CHUNK_SIZE)[1]  # pylint: disable=protected-access
   return copies * rows * chunk * vocab_chunk * 4
 
