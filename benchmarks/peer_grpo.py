@@ -17,7 +17,8 @@ optimizer step a batch), run by both systems:
   5. Interleaved: each system runs in its own process (its own thread setting) and takes one step when told:
      jaxrlvr, TRL, jaxrlvr, TRL ... Each step reports its seconds split into generation, reward, scoring (a
      separate pass for old log-probs; neither runs one at one optimizer step a batch) and the rest (the update),
-     its generated tokens and the process's peak RSS.
+     its generated tokens and the process's peak RSS. For jaxrlvr, the update's FLOPs at the batch's shapes (counted
+     as benchmarks/update_split.py counts them) as a rate and as a share of a 2048^2 float32 matmul in its process.
   6. With --eval_size > 0, both answer that many held-out questions greedily before the first step and after the
      last, scored by jaxrlvr's evaluator (`evaluate.evaluate_with_samples`, the run's reward) with a 95% interval.
 Differences that remain, listed in the output: the sampling random numbers, and the weight decay of the
@@ -94,6 +95,13 @@ def jaxrlvr_worker(spec: dict, reply) -> None:
   trainer = train.Trainer(config, workdir, mesh, checkpointing.Checkpointer(workdir, keep=1))
   trainer.open_writer(0)
   times = {}
+  # The update's FLOPs at the batch's shapes and this process's matmul throughput, counted as update_split.py does
+  # (this script's directory is on sys.path, the workers' too).
+  import update_split  # pylint: disable=g-import-not-at-top
+  shapes = trainer.shapes
+  body, head = update_split.forward_flops(run_setup.model_config(config), trainer.state.params, shapes.host_rows,
+                                          shapes.prompt_len + shapes.completion_len, shapes.completion_len)
+  flops = {"update_flops": 3 * (body + head), "matmul_flops_per_s": update_split.matmul_peak()}
 
   trainer.reward_pool.score = _timed(times, "reward", trainer.reward_pool.score)
   trainer._score = _timed(times, "scoring", trainer._score)  # pylint: disable=protected-access
@@ -118,7 +126,7 @@ def jaxrlvr_worker(spec: dict, reply) -> None:
     reward_s, scoring_s = times.get("reward", 0.0), times.get("scoring", 0.0)
     reply({"step_s": step_s, "generation": sample_s - reward_s, "reward": reward_s, "scoring": scoring_s,
            "update": step_s - sample_s - scoring_s, "tokens": sum(len(r.tokens) for g in sampled for r in g.rollouts),
-           "qids": sorted(r.qid for r in plan.requests), "rss_gb": _peak_rss_gb()})
+           "qids": sorted(r.qid for r in plan.requests), "rss_gb": _peak_rss_gb(), **flops})
 
 
 # ---------------------------------------------------------------------------------------------------------- TRL
@@ -289,6 +297,13 @@ def report(spec: dict, results: dict, evals: dict) -> list[str]:
     tok_s = sum(s["tokens"] for s in steady) / max(sum(s["generation"] for s in steady), 1e-9)
     lines.append(f"{system:<10}{spec['parity'][system]:>10.1e}{median('step_s'):>10.2f}{steps[0]['step_s']:>9.2f}" +
                  "".join(f"{median(p):>12.2f}" for p in _PHASES) + f"{tok_s:>11.1f}{steps[-1]['rss_gb']:>9.2f}")
+  for system, steps in results.items():
+    if steps and "update_flops" in steps[-1]:
+      steady = steps[1:] or steps
+      rate = steps[-1]["update_flops"] / statistics.median(s["update"] for s in steady)
+      peak = steps[-1]["matmul_flops_per_s"]
+      lines.append(f"{system}'s update: {steps[-1]['update_flops'] / 1e9:.0f} GFLOP at {rate / 1e9:.0f} GFLOP/s, "
+                   f"{rate / peak:.0%} of its process's 2048^2 float32 matmul ({peak / 1e9:.0f} GFLOP/s)")
   timed = [s for s in results if results[s]]
   if set(timed) >= {"jaxrlvr", "trl"}:
     ratio = (statistics.median(s["step_s"] for s in results["jaxrlvr"][1:] or results["jaxrlvr"]) /

@@ -38,7 +38,7 @@ from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
 _MATMUL = 2048
 
 
-def _forward_flops(model_config, params, rows: int, length: int, scored: int) -> tuple[float, float]:
+def forward_flops(model_config, params, rows: int, length: int, scored: int) -> tuple[float, float]:
   """(decoder stack, head) FLOPs of one forward pass over rows x length tokens, the head on the last `scored` of
   each row (the completion: `scoring.score(last=...)`)."""
   c = model_config
@@ -48,6 +48,19 @@ def _forward_flops(model_config, params, rows: int, length: int, scored: int) ->
   tokens = rows * length
   attention = 4 * rows * length * length * c.num_heads * c.head_dim * c.num_layers  # q.k and p.v, every key
   return 2.0 * body * tokens + attention, 2.0 * unembedding * rows * scored
+
+
+def matmul_peak(repeats: int = 5) -> float:
+  """FLOP/s of a [2048, 2048] float32 `jnp.dot` in this process, best of `repeats` calls after a warm-up one."""
+  square = jnp.ones((_MATMUL, _MATMUL), jnp.float32)
+  dot = jax.jit(jnp.dot)
+  jax.block_until_ready(dot(square, square))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(dot(square, square))
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * _MATMUL ** 3 / best
 
 
 def _batch(rows: int, prompt: int, completion: int, vocab: int) -> dict:
@@ -82,7 +95,7 @@ def main():
   graphdef, params = nnx.split(parallel.create_model(model_config, mesh, seed=0))
   batch = parallel.shard_batch(_batch(args.rows, args.prompt, args.completion, model_config.vocab_size), mesh)
   length = args.prompt + args.completion
-  body_flops, head_flops = _forward_flops(model_config, params, args.rows, length, args.completion)
+  body_flops, head_flops = forward_flops(model_config, params, args.rows, length, args.completion)
 
   optimizer = step_lib.make_optimizer(config)
   state = step_lib.create_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
