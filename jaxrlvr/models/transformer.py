@@ -223,7 +223,7 @@ def _apply_block(graphdef: nnx.GraphDef, state: nnx.State, x, positions, key_mas
 # One jitted function for every block. Inside an outer jit, JAX traces and lowers a nested jit once per (graph,
 # input shapes) and reuses it, so the 30 blocks of a 30-layer model are traced once, not 30 times; XLA inlines the
 # calls when it compiles, so the compiled program is the unrolled one. Tracing the smollm2-135m preset's update went
-# from 2.9 s to 1.1 s (jax 0.10.2): with a warm compilation cache, tracing is what a run's first step still pays.
+# from 2.9 s to 1.1 s (jax 0.10.2); a warm compilation cache saves the compile, not the tracing.
 _apply_block_jit = jax.jit(_apply_block, static_argnums=0)
 
 
