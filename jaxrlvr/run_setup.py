@@ -222,7 +222,7 @@ def build_policy(config: ml_collections.ConfigDict, mesh, book: rollout.PromptBo
   if not config.warm_start.steps:
     return model, model_cfg
   max_rows = config.warm_start.steps * config.warm_start.batch_size
-  pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.prompt_ids, max_rows=max_rows,
+  pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.many_prompt_ids, max_rows=max_rows,
                                              completion_len=config.rollout.max_new_tokens)
   task = config.data.source
   if missing and warm_start.embedded_fallback(config):

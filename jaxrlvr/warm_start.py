@@ -193,7 +193,7 @@ def embedded_pairs(config, tokenizer, max_rows: int):
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
   try:
-    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.prompt_ids, max_rows=max_rows,
+    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.many_prompt_ids, max_rows=max_rows,
                                                completion_len=config.rollout.max_new_tokens)
   except ValueError as e:  # a DataError too: this run's lengths are shorter than the embedded task's
     raise data_lib.DataError(f"config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit "

@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 import transformers
 
-from jaxrlvr.data import (ArithmeticSource, DataError, QuestionIterator, format_prompt, load_tokenizer,
+from jaxrlvr.data import (ArithmeticSource, DataError, QuestionIterator, encode, format_prompt, load_tokenizer,
                           make_source, sources_from_config, stop_token_ids, warm_start_texts)
 from jaxrlvr.data import synthetic
 from jaxrlvr.rewards import fast_verdict
@@ -167,6 +167,24 @@ def test_embedded_tokenizer(embedded):
   load_tokenizer("", cache_dir=cache)
   assert os.path.getmtime(os.path.join(path, "tokenizer.json")) == stamp
   assert os.listdir(cache) == ["tokenizer-v2"]
+
+
+def test_encode_gives_the_tokenizers_own_ids(embedded):
+  """`data.encode` asks the embedded (plain, tokenizers-backed) tokenizer's backend directly and any other class
+  through its `__call__`: the ids are the tokenizer's own either way, unknown characters included."""
+  _, tokenizer = embedded
+  source = ArithmeticSource(split="train", seed=0, size=300)
+  texts = [t for pair in warm_start_texts(source, tokenizer=tokenizer) for t in pair] + ["", "Q: 1+2=?", "<eos>7"]
+  assert type(tokenizer).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")  # the backend's path
+  expected = tokenizer(texts, add_special_tokens=False)["input_ids"]
+  assert encode(tokenizer, texts) == expected
+  assert tokenizer.unk_token_id in expected[-2]  # '?' is not in the task's vocabulary
+
+  class Wrapped(type(tokenizer)):  # another class: its own __call__
+    pass
+
+  wrapped = Wrapped.from_pretrained(tokenizer.name_or_path, local_files_only=True)
+  assert encode(wrapped, texts) == expected
 
 
 def _chat_tokenizer(path: str) -> str:

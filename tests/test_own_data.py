@@ -324,15 +324,15 @@ def test_held_out_split(tmp_path):
 def test_warm_start_pairs_from_a_solution_field(tmp_path, tokenizer):
   solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
   source = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 's.jsonl', _qa_rows(solution=solutions))}")
-  book = {q: [q + 100] for q in range(10)}  # stands in for the trainer's prompt ids
-  pairs, missing = data.warm_start_pairs(source, tokenizer, book.__getitem__, max_rows=4, completion_len=26)
+  book = lambda qids: [[q + 100] for q in qids]  # stands in for the trainer's prompt ids
+  pairs, missing = data.warm_start_pairs(source, tokenizer, book, max_rows=4, completion_len=26)
   assert missing == 0 and len(pairs) == 4
   assert pairs[1] == ([101], tokenizer("\\boxed{266}", add_special_tokens=False)["input_ids"] + [1])
   partial = data.make_source(f"jsonl:{_write_jsonl(tmp_path / 'p.jsonl', _qa_rows(solution=solutions[:9] + ['']))}")
-  assert data.warm_start_pairs(partial, tokenizer, book.__getitem__, max_rows=100, completion_len=26) == ([], 1)
+  assert data.warm_start_pairs(partial, tokenizer, book, max_rows=100, completion_len=26) == ([], 1)
   with pytest.raises(data.DataError, match=r"data.source jsonl:.*s.jsonl line 1 \(row 0\): the solution has 4 tokens "
                                            r"and the stop token, but rollout.max_new_tokens is 4"):
-    data.warm_start_pairs(source, tokenizer, book.__getitem__, max_rows=10, completion_len=4)
+    data.warm_start_pairs(source, tokenizer, book, max_rows=10, completion_len=4)
 
 
 def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_skips_when_told(

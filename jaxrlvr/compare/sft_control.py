@@ -94,7 +94,7 @@ def run(config, workdir: str, *, wall_s: float, evals: int = 8, lr: float = 0.0,
   tokenizer, train_set, eval_examples, book = data.tokenizer, data.train_set, data.eval_examples, data.book
   model, _ = run_setup.build_policy(config, mesh, book)
   completion_len = config.rollout.max_new_tokens
-  pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.prompt_ids,
+  pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.many_prompt_ids,
                                              max_rows=len(train_set) if all_questions else
                                              run_setup.rl_train_size(config, train_set),
                                              completion_len=completion_len)

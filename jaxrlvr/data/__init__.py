@@ -18,6 +18,7 @@ from jaxrlvr.data.templates import format_prompt
 from jaxrlvr.data.templates import stop_token_ids
 from jaxrlvr.data.templates import TEMPLATES
 from jaxrlvr.data.tokenizer import embedded_tokenizer_dir
+from jaxrlvr.data.tokenizer import encode
 from jaxrlvr.data.tokenizer import load_tokenizer
 from jaxrlvr.data.tokenizer import tokenizer_from_config
 from jaxrlvr.data.types import DataError
@@ -26,6 +27,6 @@ from jaxrlvr.data.types import Example
 from jaxrlvr.data.types import Source
 
 __all__ = ["ArithmeticSource", "DataError", "Example", "ListSource", "QuestionIterator", "Source", "Subset",
-           "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "format_prompt", "hold_out",
-           "load_tokenizer", "make_source", "sources_from_config", "stop_token_ids", "tokenizer_from_config",
-           "warm_start_pairs", "warm_start_texts"]
+           "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "encode", "format_prompt",
+           "hold_out", "load_tokenizer", "make_source", "sources_from_config", "stop_token_ids",
+           "tokenizer_from_config", "warm_start_pairs", "warm_start_texts"]

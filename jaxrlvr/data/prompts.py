@@ -59,7 +59,7 @@ def check_prompts(parts: Sequence[tuple[str, Source, int]], tokenizer, *, templa
     for start in range(0, count, _CHUNK):
       examples = [source[q] for q in range(start, min(start + _CHUNK, count))]
       texts = [templates.format_prompt(e, template=template, tokenizer=tokenizer) for e in examples]
-      for i, (text, ids) in enumerate(zip(texts, tokenizer(texts, add_special_tokens=False)["input_ids"])):
+      for i, (text, ids) in enumerate(zip(texts, tokenizer_lib.encode(tokenizer, texts))):
         qid = start + i
         lengths[qid] = len(ids)
         if unk is not None and unk in ids:
@@ -70,7 +70,7 @@ def check_prompts(parts: Sequence[tuple[str, Source, int]], tokenizer, *, templa
           raise DataError(f"{key} {source.name} {describe_row(source, qid)}: the prompt {text!r} is empty once "
                           "tokenised")
       if unk is not None:
-        answers = tokenizer([e.answer for e in examples], add_special_tokens=False)["input_ids"]
+        answers = tokenizer_lib.encode(tokenizer, [e.answer for e in examples])
         for i, ids in enumerate(answers):
           if unk in ids:
             unwritable_answers += 1
@@ -112,9 +112,10 @@ def check_prompts(parts: Sequence[tuple[str, Source, int]], tokenizer, *, templa
   raise DataError(message)
 
 
-def warm_start_pairs(source: Source, tokenizer, prompt_ids: Callable[[int], list[int]], *, max_rows: int,
-                     completion_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
-  """(pairs, rows without a solution) over the first `max_rows` rows: pairs are (prompt ids, solution ids + eos).
+def warm_start_pairs(source: Source, tokenizer, many_prompt_ids: Callable[[Sequence[int]], list[list[int]]], *,
+                     max_rows: int, completion_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+  """(pairs, rows without a solution) over the first `max_rows` rows: pairs are (prompt ids, solution ids + eos);
+  `many_prompt_ids` gives the prompts' ids of a list of rows (`rollout.PromptBook.many_prompt_ids`).
 
   The pairs are empty when any of those rows has no solution: the caller skips the warm start and says so (a warm
   start on the rows that happen to have one would imitate a biased part of the data). A solution the tokenizer cannot
@@ -129,7 +130,8 @@ def warm_start_pairs(source: Source, tokenizer, prompt_ids: Callable[[int], list
   unk = tokenizer.unk_token_id
   for start in range(0, len(qids), _CHUNK):
     chunk = solutions[start:start + _CHUNK]
-    for i, ids in enumerate(tokenizer(chunk, add_special_tokens=False)["input_ids"]):
+    prompts = many_prompt_ids(range(start, start + len(chunk)))
+    for i, ids in enumerate(tokenizer_lib.encode(tokenizer, chunk)):
       qid = start + i
       where = f"data.source {source.name} {describe_row(source, qid)}"
       if unk is not None and unk in ids:
@@ -140,5 +142,5 @@ def warm_start_pairs(source: Source, tokenizer, prompt_ids: Callable[[int], list
         raise DataError(f"{where}: the solution has {len(ids)} tokens and the stop token, but "
                         f"rollout.max_new_tokens is {completion_len}; raise --config.rollout.max_new_tokens, or skip "
                         "the warm start with --config.warm_start.steps=0")
-      pairs.append((prompt_ids(qid), ids + [tokenizer.eos_token_id]))
+      pairs.append((prompts[i], ids + [tokenizer.eos_token_id]))
   return pairs, 0

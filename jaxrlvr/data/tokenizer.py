@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 
 from jaxrlvr.data import synthetic
 from jaxrlvr.data.types import DataError
@@ -107,6 +108,18 @@ def load_tokenizer(path: str | None, *, cache_dir: str | None = None):
 
 
 _PLAIN_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+  """The ids of each text without added special tokens: `tokenizer(texts, add_special_tokens=False)["input_ids"]`.
+
+  A plain tokenizers-backed tokenizer (the embedded one) is asked through its Rust backend directly, which gives the
+  same ids without transformers' per-text Python: 0.26 against 0.88 s for the embedded task's 19,200 prompts (2
+  cores). A run tokenises every prompt, answer and solution of its rows at start-up. Any other class goes through
+  its own `__call__`, which may prepare the text first."""
+  if type(tokenizer).__name__ in _PLAIN_FAST_CLASSES:
+    return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+  return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
 
 def _declared_class(path: str) -> str:

@@ -40,14 +40,21 @@ class PromptBook:
     return self.source[qid]
 
   def prompt_ids(self, qid: int) -> list[int]:
-    if qid not in self._ids:
-      text = data_lib.format_prompt(self.source[qid], template=self.template, tokenizer=self.tokenizer)
-      ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-      if not 0 < len(ids) <= self.max_prompt_len:
-        raise ValueError(f"question {qid} of {self.source!r}: its prompt has {len(ids)} tokens, but "
-                         f"data.max_prompt_len is {self.max_prompt_len}; raise it or filter the data")
-      self._ids[qid] = ids
-    return self._ids[qid]
+    return self.many_prompt_ids([qid])[0]
+
+  def many_prompt_ids(self, qids: Sequence[int], chunk: int = 4096) -> list[list[int]]:
+    """The prompts of `qids`; those not seen yet are tokenised `chunk` to a tokenizer call: a call a prompt costs
+    ~0.25 ms of Python around the fast tokenizer, 5 s over the warm start's 19,200 rows."""
+    todo = [q for q in dict.fromkeys(qids) if q not in self._ids]
+    for start in range(0, len(todo), chunk):
+      part = todo[start:start + chunk]
+      texts = [data_lib.format_prompt(self.source[q], template=self.template, tokenizer=self.tokenizer) for q in part]
+      for qid, ids in zip(part, data_lib.encode(self.tokenizer, texts)):
+        if not 0 < len(ids) <= self.max_prompt_len:
+          raise ValueError(f"question {qid} of {self.source!r}: its prompt has {len(ids)} tokens, but "
+                           f"data.max_prompt_len is {self.max_prompt_len}; raise it or filter the data")
+        self._ids[qid] = ids
+    return [self._ids[q] for q in qids]
 
   def answer(self, qid: int) -> str:
     return self.source[qid].answer
