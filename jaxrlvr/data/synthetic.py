@@ -162,6 +162,9 @@ class ArithmeticSource:
     draws = np.random.default_rng([seed, len(LEVELS), 1]).random(size)
     fractions = parse_worked_by_level(worked_by_level, default=worked_fraction)
     self._bare = draws >= np.asarray([fractions[self.levels[q % len(self.levels)]] for q in range(size)])
+    # Each question rendered once: a run reads every training row two or three times at start-up (prompt checks,
+    # warm-start pairs), at ~20 us a render.
+    self._examples: dict[int, Example] = {}
 
   def __len__(self) -> int:
     return self.size
@@ -170,6 +173,11 @@ class ArithmeticSource:
     return self.name
 
   def __getitem__(self, qid: int) -> Example:
+    if qid not in self._examples:
+      self._examples[qid] = self._make(qid)
+    return self._examples[qid]
+
+  def _make(self, qid: int) -> Example:
     if not 0 <= qid < self.size:
       raise IndexError(f"{self.name}: qid {qid} is outside [0, {self.size})")
     slot = qid % len(self.levels)
