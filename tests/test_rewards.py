@@ -51,7 +51,9 @@ HOSTILE = [
 
 @pytest.fixture(scope="module")
 def pool():
-  with MathRewardPool(num_workers=2, timeout_s=2.0) as p:
+  # Verdicts, not budgets, by default: sympy's first expansion of (x+1)^2 took over 2 s on a loaded 2-core machine a
+  # quarter as fast as the development one (the answer table then read 0). The budget tests pass their own.
+  with MathRewardPool(num_workers=2, timeout_s=30.0) as p:
     yield p
 
 
