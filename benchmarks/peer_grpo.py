@@ -101,7 +101,8 @@ def jaxrlvr_worker(spec: dict, reply) -> None:
   import update_split  # pylint: disable=g-import-not-at-top
   shapes = trainer.shapes
   body, head = update_split.forward_flops(run_setup.model_config(config), trainer.state.params, shapes.host_rows,
-                                          shapes.prompt_len + shapes.completion_len, shapes.completion_len)
+                                          shapes.prompt_len + shapes.completion_len, shapes.completion_len,
+                                          trainer.prompt_group)  # each prompt once a group, as the update runs it
   flops = {"update_flops": 3 * (body + head), "matmul_flops_per_s": 0.0}
 
   trainer.reward_pool.score = _timed(times, "reward", trainer.reward_pool.score)

@@ -66,6 +66,45 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
   return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
 
 
+def score_shared_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *, group_size: int,
+                         prompt_len: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                         vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+                         temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """`score(model, input_ids, attention_mask, last=S - prompt_len)` for rows whose prompts come in groups: every
+  block of `group_size` consecutive rows shares its first `prompt_len` columns (ids and mask), as a GRPO group's
+  samples share their question. Each prompt runs through the model once and its keys and values serve all the
+  group's completions, so the update computes R / K prompts instead of R (the smollm2-135m preset's 64 + 64 tokens
+  x 4 samples: 37% fewer tokens through the body). Same values up to float rounding, differentiable; the caller
+  checks the sharing (`rollout.prompts_shared`), this function does not.
+  """
+  rows, length = input_ids.shape
+  completion_len = length - prompt_len
+  if group_size < 1 or rows % group_size or not 1 <= prompt_len < length:
+    raise ValueError(f"scoring.py: {rows} rows of {length} tokens do not split into groups of {group_size} with a "
+                     f"prompt of {prompt_len} tokens")
+  groups = rows // group_size
+  prompt_ids = input_ids.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P], one row per group
+  prompt_mask = attention_mask.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P]
+  cache = model.init_cache(groups, prompt_len)
+  prompt_hidden, cache = model.hidden(prompt_ids, attention_mask=prompt_mask, cache=cache, cache_index=0)  # [G, P, D]
+
+  def per_row(kv: jax.Array) -> jax.Array:
+    """[G, K, P, H] -> [R, K, P + T, H]: each row's cache holds its group's prompt, then room for its completion."""
+    kv = jnp.repeat(kv, group_size, axis=0)
+    return jnp.pad(kv, ((0, 0), (0, 0), (0, completion_len), (0, 0)))
+
+  completion_ids = input_ids[:, prompt_len:]  # [R, T]
+  completion_hidden, _ = model.hidden(completion_ids, attention_mask=attention_mask,
+                                      cache=jax.tree.map(per_row, cache), cache_index=prompt_len)  # [R, T, D]
+  # Completion token t is read from the hidden state before it: the prompt's last for t = 0.
+  last_prompt = jnp.repeat(prompt_hidden[:, -1:], group_size, axis=0)  # [R, 1, D]
+  hidden = jnp.concatenate([last_prompt, completion_hidden[:, :-1]], axis=1)  # [R, T, D]
+  logp, ent = chunked_logprobs(hidden, model.unembedding(), completion_ids, chunk_size=chunk_size,
+                               vocab_chunk_size=vocab_chunk_size, temperature=temperature)  # [R, T] each
+  keep = attention_mask[:, prompt_len:].astype(bool)
+  return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
+
+
 def chunked_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, chunk_size: int,
                      vocab_chunk_size: int, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """log softmax(hidden @ unembedding / T)[targets] and the entropy, per position: [B, T] each, float32.

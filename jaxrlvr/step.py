@@ -86,10 +86,16 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                      optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
 
-def completion_logprobs(model, batch: dict, temperature: float):
-  """Teacher-forced log-probs and entropies of the completion tokens: ([R, T], [R, T])."""
+def completion_logprobs(model, batch: dict, temperature: float, prompt_group: int = 1):
+  """Teacher-forced log-probs and entropies of the completion tokens: ([R, T], [R, T]). With `prompt_group` K > 1
+  every K consecutive rows share their prompt, which then runs through the model once for the K of them."""
+  completion_len = batch["completion_mask"].shape[1]
+  if prompt_group > 1:
+    return scoring.score_shared_prompts(model, batch["input_ids"], batch["attention_mask"], group_size=prompt_group,
+                                        prompt_len=batch["input_ids"].shape[1] - completion_len,
+                                        temperature=temperature)
   return scoring.score(model, batch["input_ids"], batch["attention_mask"], temperature=temperature,
-                       last=batch["completion_mask"].shape[1])
+                       last=completion_len)
 
 
 def ratio_baseline(micro: dict, settings: objectives.LossSettings) -> jax.Array:
@@ -113,11 +119,11 @@ def token_losses(logp: jax.Array, micro: dict, settings: objectives.LossSettings
 
 
 def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives.LossSettings,
-                 temperature: float, reference_blocks: dict):
+                 temperature: float, reference_blocks: dict, prompt_group: int):
   """One micro-batch's share of the optimizer step's loss, and its additive diagnostics. `reference_blocks`: the
   ranks and divisor of `exgrpo_reference`'s entropy bonus (objectives.reference_entropy_term)."""
   model = nnx.merge(graphdef, params)
-  logp, entropy = completion_logprobs(model, micro, temperature)  # [r, T] each
+  logp, entropy = completion_logprobs(model, micro, temperature, prompt_group)  # [r, T] each
   if "old_logp" not in micro:  # one optimizer step a batch: pi_old is the policy being differentiated, detached
     micro = {**micro, "old_logp": jax.lax.stop_gradient(logp)}
   mask = micro["completion_mask"]
@@ -144,11 +150,12 @@ def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives
   return loss, (losses, stats, micro["old_logp"])
 
 
-def _loss_and_replayed_grads(params, graphdef, micro: dict, normalizer, settings, temperature, reference_blocks):
+def _loss_and_replayed_grads(params, graphdef, micro: dict, normalizer, settings, temperature, reference_blocks,
+                             prompt_group):
   """(gradient of the loss, gradient of its replayed rows' policy part, aux) from one forward pass and two
   backward ones: the second pull of the same vjp reuses the forward's residuals."""
   def both(p):
-    loss, aux = _policy_loss(p, graphdef, micro, normalizer, settings, temperature, reference_blocks)
+    loss, aux = _policy_loss(p, graphdef, micro, normalizer, settings, temperature, reference_blocks, prompt_group)
     return jnp.stack([loss, aux[0]["loss/replayed_policy"]]), aux
 
   _, pull, aux = jax.vjp(both, params, has_aux=True)
@@ -156,16 +163,37 @@ def _loss_and_replayed_grads(params, graphdef, micro: dict, normalizer, settings
   return grads, replayed_grads, aux
 
 
-def _split_rows(x: jax.Array, num_minibatches: int, num_micro: int) -> jax.Array:
-  """[R, ...] -> [M, n, R / (M n), ...], interleaved so every micro-batch takes rows from every device's block."""
-  rows = x.shape[0] // (num_minibatches * num_micro)
-  x = x.reshape(rows, num_minibatches, num_micro, *x.shape[1:])  # [r, M, n, ...]
-  return jnp.moveaxis(x, 0, 2)  # [M, n, r, ...]
+def _split_rows(x: jax.Array, num_minibatches: int, num_micro: int, group: int = 1) -> jax.Array:
+  """[R, ...] -> [M, n, R / (M n), ...], interleaved so every micro-batch takes rows from every device's block;
+  blocks of `group` consecutive rows (a prompt's samples) stay together and in order."""
+  groups = x.shape[0] // (group * num_minibatches * num_micro)
+  x = x.reshape(groups, num_minibatches, num_micro, group, *x.shape[1:])  # [g, M, n, K, ...]
+  x = jnp.moveaxis(x, 0, 2)  # [M, n, g, K, ...]
+  return x.reshape(num_minibatches, num_micro, groups * group, *x.shape[4:])  # [M, n, g K, ...]
+
+
+def _join_rows(x: jax.Array, group: int = 1) -> jax.Array:
+  """`_split_rows` undone for one optimizer step: [n, g K, ...] -> [R, ...] in the batch's row order."""
+  num_micro, rows = x.shape[:2]
+  x = x.reshape(num_micro, rows // group, group, *x.shape[2:])  # [n, g, K, ...]
+  return jnp.moveaxis(x, 0, 1).reshape(num_micro * rows, *x.shape[3:])  # [g, n, K, ...] -> [R, ...]
+
+
+def prompt_group_fits(rows: int, group: int, config: ml_collections.ConfigDict, batch_shards: int) -> bool:
+  """Whether an update batch of `rows` rows splits into its micro-batches and batch shards in whole groups of
+  `group` rows, which sharing a prompt across a group's rows (`make_update_fn(prompt_group=...)`) needs."""
+  parts = config.train.num_minibatches * config.train.num_microbatches * batch_shards
+  return group > 1 and rows % (group * parts) == 0
 
 
 def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation, *,
-                   state_sharding, batch_sharding):
+                   state_sharding, batch_sharding, prompt_group: int = 1):
   """Returns the jitted `update(state, batch) -> (state, metrics, old_logp)`; `state` is donated.
+
+  `prompt_group` K > 1: every K consecutive rows of each batch share their prompt (ids and mask), and each prompt
+  runs through the model once for its K samples (`scoring.score_shared_prompts`); the rows must split into the
+  micro-batches and batch shards in whole groups (`prompt_group_fits`). The loop passes the rollout group size
+  when `train.share_prompts` is on and the batch is laid out so (`rollout.prompts_shared`).
 
   `batch` holds R rows (R divisible by num_minibatches x num_microbatches x batch shards):
     input_ids, attention_mask [R, P + T] int32; completion_mask [R, T] (0 for padding rows and dropped rollouts);
@@ -197,7 +225,7 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     def micro_grads(micro):
       """({"all": gradient, "replayed": its replayed part or nothing}, (losses, stats)) of one micro-batch."""
       micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
-      args = (params, graphdef, micro, normalizer, settings, temperature, reference_blocks)
+      args = (params, graphdef, micro, normalizer, settings, temperature, reference_blocks, prompt_group)
       if replayed_share:
         grads, replayed_grads, aux = _loss_and_replayed_grads(*args)
         return {"all": grads, "replayed": replayed_grads}, aux
@@ -234,7 +262,8 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     if "old_logp" not in batch and num_minibatches > 1:
       raise ValueError(f"train.num_minibatches={num_minibatches}: the batch needs old_logp (step.make_score_fn); "
                        "only a single optimizer step takes its own forward pass's log-probs as pi_old")
-    minibatches = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro), batch)  # [M, n, r, ...]
+    minibatches = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro, prompt_group),
+                               batch)  # [M, n, r, ...]
     (params, opt_state, skipped), (losses, stats, old_logp) = jax.lax.scan(
         optimizer_step, (state.params, state.opt_state, state.skipped), minibatches)
     metrics = {k: jnp.mean(v) for k, v in losses.items()}  # over the M optimizer steps
@@ -242,8 +271,8 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     metrics.update({f"policy/{k}": v for k, v in diagnostics.finalize_stats(diagnostics.reduce_stats(stats)).items()})
     if "old_logp" in batch:
       old_logp = batch["old_logp"]
-    else:  # [1, n, r, T] -> [R, T]: undo _split_rows (row i sat at micro-batch i % n, position i // n)
-      old_logp = jnp.moveaxis(old_logp[0], 1, 0).reshape(batch["completion_mask"].shape)
+    else:  # [1, n, r, T] -> [R, T]
+      old_logp = _join_rows(old_logp[0], prompt_group)
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics, old_logp
 
   return jax.jit(update, in_shardings=(state_sharding, batch_sharding),

@@ -11,6 +11,7 @@ processes write the checkpoint together (checkpointing.py).
 """
 import collections
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -159,9 +160,17 @@ class Trainer:
     optimizer = step_lib.make_optimizer(config)
     self.state = step_lib.create_state(params, optimizer, mesh)
     batch_sharding = parallel.batch_sharding(mesh)
-    self._update = step_lib.make_update_fn(self.graphdef, config, optimizer,
-                                           state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
-                                           batch_sharding=batch_sharding)
+    make_update = functools.partial(step_lib.make_update_fn, self.graphdef, config, optimizer,
+                                    state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
+                                    batch_sharding=batch_sharding)
+    self._update = make_update()
+    # The update that runs each prompt once for its group's samples, for the batches laid out so (each compiles at
+    # its first use: a GRPO run compiles only this one). prompt_group: its group size, 1 where it is off.
+    group = config.rollout.group_size
+    shared = config.train.get("share_prompts", False) and step_lib.prompt_group_fits(
+        self.shapes.rows, group, config, self.batch_shards)
+    self.prompt_group = group if shared else 1
+    self._update_shared = make_update(prompt_group=group) if shared else None
     self._score = step_lib.make_score_fn(self.graphdef, temperature=config.rollout.temperature or 1.0,
                                          batch_sharding=batch_sharding, max_chunk_rows=self.shapes.micro_rows)
     self.reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
@@ -259,19 +268,24 @@ class Trainer:
       dense = rewards.dense_rewards(self.judge, judged, self.data.tokenizer,
                                     **rewards.dense_reward_kwargs(config.exprl))
       rollout_info.update(dense.metrics)
-    batch = parallel.shard_batch(rollout.build_batch(
+    host_batch = rollout.build_batch(
         groups, self.data.book, prompt_len=shapes.prompt_len, completion_len=shapes.completion_len,
         rows=shapes.host_rows, pad_id=self.sampler.pad_id, clip_fresh=clip_fresh,
         token_advantages=None if dense is None else dense.advantages,
         loss_mask=None if dense is None else dense.loss_mask,
-        drop_constant_groups=config.loss.drop_constant_groups), self.mesh)
+        drop_constant_groups=config.loss.drop_constant_groups)
+    update_fn = self._update
+    if self._update_shared is not None and not multihost.agree_any(
+        not rollout.prompts_shared(host_batch, config.rollout.group_size)):  # every host's batch, or none
+      update_fn = self._update_shared
+    batch = parallel.shard_batch(host_batch, self.mesh)
     if step_lib.needs_score_pass(config):  # else the update's own forward pass gives pi_old
       batch["old_logp"], _ = self._score(self.state.params, batch)
     if self.reference is not None:
       batch["ref_logp"], _ = self._score(self.reference, batch)
     if self.history is not None:
       self.history.appendleft(jax.tree.map(jnp.copy, self.state.params))
-    self.state, metrics, old_logp = self._update(self.state, batch)
+    self.state, metrics, old_logp = update_fn(self.state, batch)
     mismatch = _sampler_mismatch(batch, old_logp)
     jax.block_until_ready(self.state.step)
     t = time.perf_counter()

@@ -159,3 +159,49 @@ def test_score_rejects_bad_arguments(model):
     scoring.score(model, ids, mask[:, :-1])
   with pytest.raises(ValueError, match="last=12"):
     scoring.score(model, ids, mask, last=12)
+
+
+def _grouped_batch(group_size: int, prompt_len: int = 6, completion_len: int = 5):
+  """Three groups of `group_size` rows: each group one left-padded prompt, each row its own right-padded answer;
+  the last group is filler rows as the batch pads with them (pad ids, one visible prompt token)."""
+  rs = np.random.RandomState(1)
+  rows = 3 * group_size
+  ids = np.zeros((rows, prompt_len + completion_len), np.int32)
+  mask = np.zeros_like(ids)
+  for g, prompt_tokens in enumerate((4, 6)):
+    prompt = rs.randint(1, 64, size=prompt_tokens)
+    for r in range(g * group_size, (g + 1) * group_size):
+      answer = rs.randint(1, 64, size=rs.randint(1, completion_len + 1))
+      ids[r, prompt_len - prompt_tokens:prompt_len] = prompt
+      ids[r, prompt_len:prompt_len + len(answer)] = answer
+      mask[r, prompt_len - prompt_tokens:prompt_len + len(answer)] = 1
+  mask[2 * group_size:, prompt_len - 1] = 1
+  return jnp.asarray(ids), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_shared_prompts_score_and_differentiate_like_every_row_scored_alone(model, group_size):
+  """A group's prompt runs once and its keys serve every sample; log-probs, entropies and the parameter gradient of
+  a loss over both equal `score`'s on the completions (float32 rounding apart)."""
+  ids, mask = _grouped_batch(group_size)
+  completion_len = 5
+  graphdef, params = nnx.split(model)
+  weights = jax.random.normal(jax.random.key(0), (ids.shape[0], completion_len))
+
+  def loss(p, shared):
+    m = nnx.merge(graphdef, p)
+    if shared:
+      logp, ent = scoring.score_shared_prompts(m, ids, mask, group_size=group_size, prompt_len=6, chunk_size=3,
+                                               vocab_chunk_size=24)
+    else:
+      logp, ent = scoring.score(m, ids, mask, chunk_size=3, vocab_chunk_size=24, last=completion_len)
+    return jnp.sum(weights * logp) + 0.1 * jnp.sum(ent), (logp, ent)
+
+  (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, True)
+  (_, (ref_logp, ref_ent)), ref_grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, False)
+  assert logp.shape == (ids.shape[0], completion_len)
+  np.testing.assert_allclose(logp, ref_logp, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(ent, ref_ent, atol=2e-5, rtol=0)
+  assert np.any(np.asarray(ref_logp) != 0)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)

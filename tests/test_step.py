@@ -203,3 +203,54 @@ def test_one_optimizer_step_takes_pi_old_from_its_own_forward_pass():
   state, update = _fresh_update(config, mesh)
   with pytest.raises(ValueError, match="train.num_minibatches=2: the batch needs old_logp"):
     update(state, unscored)
+
+
+def _shared_prompt_batch(group: int) -> dict:
+  """`_batch()` with every `group` consecutive rows given the prompt (ids and mask) of the group's first row, as a
+  GRPO group's samples have, and without old_logp (one optimizer step takes its own)."""
+  batch = {k: v for k, v in _batch().items() if k != "old_logp"}
+  for key in ("input_ids", "attention_mask"):
+    prompts = batch[key][::group, :_PROMPT]
+    batch[key] = batch[key].copy()
+    batch[key][:, :_PROMPT] = np.repeat(prompts, group, axis=0)
+  return batch
+
+
+@pytest.mark.parametrize("micro,shape", [(1, (1, 1, 1)), (2, (1, 1, 1)), (2, (1, 2, 2))])
+def test_shared_prompts_give_the_update_of_every_row_scored_alone(micro, shape):
+  """prompt_group=4: each group's prompt runs once for its 4 rows. The SGD step, the metrics and the old log-probs
+  it returns (in the batch's row order, across micro-batches and shards) are those of the update that scores every
+  row's own copy."""
+  config = _config(train__num_microbatches=micro)
+  mesh = parallel.make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+  assert step_lib.prompt_group_fits(_ROWS, 4, config, parallel.batch_shards(mesh))
+  batch = _shared_prompt_batch(4)
+  from jaxrlvr import rollout  # pylint: disable=g-import-not-at-top
+  assert rollout.prompts_shared(batch, 4) and not rollout.prompts_shared(_batch(), 4)
+  lr = 1e6
+  results = []
+  for group in (1, 4):
+    graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
+    optimizer = optax.sgd(lr)
+    state = step_lib.create_state(params, optimizer, mesh)
+    update = step_lib.make_update_fn(graphdef, config, optimizer,
+                                     state_sharding=jax.tree.map(lambda x: x.sharding, state),
+                                     batch_sharding=parallel.batch_sharding(mesh), prompt_group=group)
+    before = jax.device_get(params)
+    new_state, metrics, old_logp = jax.device_get(update(state, parallel.shard_batch(batch, mesh)))
+    grads = jax.tree.map(lambda b, a: (np.asarray(b, np.float64) - np.asarray(a, np.float64)) / lr, before,
+                         new_state.params)
+    results.append((grads, metrics, old_logp))
+  (want_grads, want_metrics, want_old), (got_grads, got_metrics, got_old) = results
+  _assert_gradients_equal(got_grads, want_grads)
+  np.testing.assert_allclose(got_old, want_old, rtol=0, atol=2e-5)
+  assert np.all((got_old != 0) == (batch["attention_mask"][:, _PROMPT:] != 0))  # each row's own, in place
+  for k in ("loss/policy", "loss/entropy", "optim/grad_norm"):
+    np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-5, err_msg=k)
+
+
+def test_prompt_groups_must_split_into_micro_batches_and_shards():
+  config = _config(train__num_microbatches=2)
+  assert step_lib.prompt_group_fits(16, 4, config, 2)
+  assert not step_lib.prompt_group_fits(16, 4, config, 4)  # 4 groups over 2 micro-batches x 4 shards
+  assert not step_lib.prompt_group_fits(16, 1, config, 1)  # a group of one shares nothing

@@ -120,27 +120,50 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
 
 
+def _count_update_calls(monkeypatch) -> list[int]:
+  """The prompt group (1: every row its own prompt) of each update the trainer calls from now on."""
+  groups, make_update_fn = [], step_lib.make_update_fn
+
+  def counting_make_update_fn(*args, prompt_group=1, **kwargs):
+    update = make_update_fn(*args, prompt_group=prompt_group, **kwargs)
+
+    def counted(state, batch):
+      groups.append(prompt_group)
+      return update(state, batch)
+    return counted
+
+  monkeypatch.setattr(step_lib, "make_update_fn", counting_make_update_fn)
+  return groups
+
+
 def test_one_optimizer_step_a_batch_skips_the_scoring_pass_and_trains_the_same(tmp_path, monkeypatch):
-  """GRPO's smoke run (one optimizer step a batch) calls no scorer; forced through the scoring pass it ran before,
-  it ends with the same parameters (its export) and logs the same losses."""
-  def smoke_run(name):
+  """GRPO's smoke run (one optimizer step a batch) calls no scorer and runs each group's prompt once; forced through
+  the scoring pass and a prompt per row, as it ran before, it ends with the same parameters (its export) and logs
+  the same losses. The coin gives every step's groups mixed rewards, so the parameters move."""
+  monkeypatch.setattr(math_rewards.MathRewardPool, "score", _biased_coin_score)
+
+  def smoke_run(name, **train_settings):
     config = grpo.get_config("smoke")
     with config.unlocked():
       config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
       config.warm_start.steps = 0  # two runs from the same random initialisation: no warm start to train
+      config.rollout.batch_size = 8  # 8 groups of 4: whole groups on each of the 8 test devices
       config.total_steps = 2
       config.eval_every = 100
+      config.train.update(train_settings)
     workdir = str(tmp_path / name)
     train.run(config, workdir)
     rows = [r for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss/policy" in r]
     return safetensors.numpy.load_file(os.path.join(workdir, "hf", "model.safetensors")), rows
 
-  scored_rows = _count_score_calls(monkeypatch)
+  scored_rows, update_groups = _count_score_calls(monkeypatch), _count_update_calls(monkeypatch)
   params, rows = smoke_run("own_forward")
-  assert scored_rows == []
+  assert scored_rows == [] and update_groups == [4, 4]
   monkeypatch.setattr(step_lib, "needs_score_pass", lambda config: True)  # the loop before the change
-  want_params, want_rows = smoke_run("scoring_pass")
+  want_params, want_rows = smoke_run("scoring_pass", share_prompts=False)
   assert scored_rows == ["update", "update"]  # one scoring pass of the update batch a step
+  assert update_groups[2:] == [1, 1]
+  assert all(r["optim/grad_norm"] > 0 for r in want_rows), want_rows
   assert params.keys() == want_params.keys()
   for name, want in want_params.items():
     np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)

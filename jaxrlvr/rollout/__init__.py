@@ -14,8 +14,8 @@
 from jaxrlvr.rollout.bounded import BATCH_AXES, MEMORY_LIMITS, bucket_length
 from jaxrlvr.rollout.decode import SampleOutput, sample_logits
 from jaxrlvr.rollout.groups import (PromptBook, SamplerSettings, ScoreAsRowsFinish, answer_entropy_batch, build_batch,
-                                    decode, mean_entropies, pack_rows, record_logprobs,
-                                    sample_groups)
+                                    decode, mean_entropies, pack_rows, prompts_shared,
+                                    record_logprobs, sample_groups)
 from jaxrlvr.rollout.lowering import lower_sampler_phases
 from jaxrlvr.rollout.sampler import ENGINE_SETTINGS, ENGINES, generate
 from jaxrlvr.rollout.scheduler import DECODE_WEIGHTS

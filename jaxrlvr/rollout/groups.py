@@ -235,6 +235,21 @@ def build_batch(groups: Sequence[replay.Group], book: PromptBook, *, prompt_len:
   return batch
 
 
+def prompts_shared(batch: dict, group: int) -> bool:
+  """Whether every `group` consecutive rows of an update batch (`build_batch`) share their prompt columns, ids and
+  mask (filler rows share theirs): then the update may run each prompt once for its group."""
+  completion_len = batch["completion_mask"].shape[1]
+  rows, length = batch["input_ids"].shape
+  if group < 2 or rows % group:
+    return False
+  prompt_len = length - completion_len
+  for key in ("input_ids", "attention_mask"):
+    prompts = np.asarray(batch[key])[:, :prompt_len].reshape(rows // group, group, prompt_len)  # [G, K, P]
+    if not np.array_equal(prompts, np.broadcast_to(prompts[:, :1], prompts.shape)):
+      return False
+  return True
+
+
 def record_logprobs(groups: Sequence[replay.Group], logprobs: np.ndarray) -> None:
   """Gives every new rollout of the final groups the log-probs of its batch row (`build_batch`'s order) as its
   behaviour log-probs, in place: the trainer's recomputed ones [rows, T], which ExGRPO's released code stores as a
