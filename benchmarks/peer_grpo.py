@@ -1,7 +1,8 @@
 """jaxrlvr's GRPO step against TRL's GRPOTrainer on the same workload, interleaved, in one command.
 
     pip install -e '.[peers]'       # TRL at the locked version
-    python benchmarks/peer_grpo.py [--model=smollm2-135m] [--steps=6] [--eval_size=0] [--trl_threads=2]
+    python benchmarks/peer_grpo.py [--model=smollm2-135m] [--steps=6] [--eval_size=0] [--trl_threads=2] \
+        [--trl_bf16=False] [--trl_gradient_checkpointing=False]
 
 The workload is the model preset's GRPO config (smollm2-135m: 4 questions x 4 samples, at most 64 new tokens,
 temperature 1.0, AdamW at 1e-5 after clipping the gradient norm at 1, the Dr.GRPO loss with clip 0.2, no KL, one
@@ -21,6 +22,11 @@ optimizer step a batch), run by both systems:
      as benchmarks/update_split.py counts them) as a rate and as a share of a 2048^2 float32 matmul in its process.
   6. With --eval_size > 0, both answer that many held-out questions greedily before the first step and after the
      last, scored by jaxrlvr's evaluator (`evaluate.evaluate_with_samples`, the run's reward) with a 95% interval.
+  7. Same arithmetic: TRL computes in float32 without activation checkpointing, as jaxrlvr's preset does
+     (`model.compute_dtype="float32"`, `model.remat=False`). TRL's own defaults differ: bf16 autocast and gradient
+     checkpointing (GRPOConfig), which --trl_bf16 and --trl_gradient_checkpointing turn back on; the output states
+     which ran. On a CPU without bfloat16 matmul kernels (AVX2 only) TRL's bf16 autocast falls back to a slow
+     reference matmul: its step took ~350 s there against ~30 s in float32.
 Differences that remain, listed in the output: the sampling random numbers, and the weight decay of the
 normalisation weights (the HF Trainer exempts them, optax's adamw does not; 1e-7 a step at lr 1e-5, decay 0.01).
 """
@@ -164,7 +170,8 @@ def trl_worker(spec: dict, reply) -> None:
       epsilon=loss.clip_low, epsilon_high=loss.clip_high, num_iterations=1, learning_rate=o.lr, adam_beta1=o.b1,
       adam_beta2=o.b2, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip, warmup_steps=o.warmup_steps,
       lr_scheduler_type="constant" if o.schedule == "constant" else o.schedule, shuffle_dataset=False, seed=config.seed,
-      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+      bf16=spec["trl_bf16"], gradient_checkpointing=spec["trl_gradient_checkpointing"])
   trainer = trl.GRPOTrainer(model=model, args=args, reward_funcs=reward, processing_class=tokenizer,
                             train_dataset=datasets.Dataset.from_list(rows))
   model.generate = _timed(times, "generation", model.generate)
@@ -252,6 +259,7 @@ def prepare(flags, workdir: str) -> dict:
   # of ~20 by rounding alone, while a peer computing another model (Tunix 0.1.7 ignoring rope_theta) is off by ~6.
   parity = {"jaxrlvr": 0.0, "trl": largest_diff / max(largest_logit, 1.0)}
   return {"model": flags.model, "steps": flags.steps, "eval_size": flags.eval_size, "trl_threads": flags.trl_threads,
+          "trl_bf16": flags.trl_bf16, "trl_gradient_checkpointing": flags.trl_gradient_checkpointing,
           "workdir": workdir, "hf_dir": hf_dir, "qids": qids, "prompts": prompts, "parity": parity,
           "answers": [data.book.example(q).answer for q in qids]}
 
@@ -286,7 +294,10 @@ def _interval(p: float, n: int) -> float:
 
 
 def report(spec: dict, results: dict, evals: dict) -> list[str]:
-  lines = [f"peer_grpo: {spec['model']}, {spec['steps']} steps, TRL with {spec['trl_threads']} torch threads"]
+  arithmetic = "bf16 autocast" if spec["trl_bf16"] else "float32"
+  checkpointing = "with" if spec["trl_gradient_checkpointing"] else "without"
+  lines = [f"peer_grpo: {spec['model']}, {spec['steps']} steps, TRL with {spec['trl_threads']} torch threads, "
+           f"{arithmetic}, {checkpointing} gradient checkpointing"]
   header = (f"{'system':<10}{'parity':>10}{'steady s':>10}{'first s':>9}" +
             "".join(f"{p:>12}" for p in _PHASES) + f"{'tok/s gen':>11}{'peak GB':>9}")
   lines.append(header)
@@ -333,6 +344,11 @@ def main() -> int:
   parser.add_argument("--trl_threads", type=int, default=os.cpu_count() or 1, help="torch threads of TRL's process")
   parser.add_argument("--parity_tol", type=float, default=1e-4,
                       help="largest logit difference, over the largest logit, for a peer to be timed")
+  flag = lambda text: text.lower() in ("1", "true", "yes")
+  parser.add_argument("--trl_bf16", type=flag, default=False,
+                      help="TRL under bf16 autocast (its GRPOConfig default); default: float32, as jaxrlvr computes")
+  parser.add_argument("--trl_gradient_checkpointing", type=flag, default=False,
+                      help="TRL with gradient checkpointing (its GRPOConfig default); default: off, as jaxrlvr's preset")
   parser.add_argument("--workdir", default="", help="where the export and the workers' logs go (default: a temp dir)")
   parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
   parser.add_argument("--spec", help=argparse.SUPPRESS)

@@ -109,6 +109,8 @@ def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(
     assert any(line.startswith(f"{system}: held-out greedy accuracy") and "(4 questions)" in line
                for line in lines), result.stdout
   assert any(line.startswith("versions: jax 0.") and "trl 1.16.0" in line for line in lines), result.stdout
+  # TRL's arithmetic is jaxrlvr's (float32, no activation checkpointing), not its GRPOConfig defaults.
+  assert lines[0].endswith("TRL with 1 torch threads, float32, without gradient checkpointing"), result.stdout
 
 
 @pytest.mark.slow
