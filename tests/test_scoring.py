@@ -1,4 +1,6 @@
 """Teacher-forced scoring: equals full-logit log-softmax, chunked memory, gradients, inside jit, sharded."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,10 +181,15 @@ def _grouped_batch(group_size: int, prompt_len: int = 6, completion_len: int = 5
   return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("group_size", [1, 4])
-def test_shared_prompts_score_and_differentiate_like_every_row_scored_alone(model, group_size):
+@pytest.mark.parametrize("group_size,execution", [(1, {}), (4, {}),
+                                                   (4, {"remat": True, "attention": "blockwise",
+                                                        "attention_block_size": 4})])
+def test_shared_prompts_score_and_differentiate_like_every_row_scored_alone(model, group_size, execution):
   """A group's prompt runs once and its keys serve every sample; log-probs, entropies and the parameter gradient of
-  a loss over both equal `score`'s on the completions (float32 rounding apart)."""
+  a loss over both equal `score`'s on the completions (float32 rounding apart), with remat and the blockwise
+  attention too (the paper-scale settings)."""
+  if execution:
+    model = Transformer(dataclasses.replace(_CONFIG, **execution), rngs=nnx.Rngs(1))
   ids, mask = _grouped_batch(group_size)
   completion_len = 5
   graphdef, params = nnx.split(model)
