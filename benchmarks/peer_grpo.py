@@ -113,6 +113,8 @@ def jaxrlvr_worker(spec: dict, reply) -> None:
 
   trainer.reward_pool.score = _timed(times, "reward", trainer.reward_pool.score)
   trainer._score = _timed(times, "scoring", trainer._score)  # pylint: disable=protected-access
+  if trainer._score_shared is not None:  # pylint: disable=protected-access
+    trainer._score_shared = _timed(times, "scoring", trainer._score_shared)  # pylint: disable=protected-access
   rng = jax.random.key(config.seed)
   step = 0
   for command in _commands(reply):

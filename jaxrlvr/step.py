@@ -285,35 +285,36 @@ def needs_score_pass(config: ml_collections.ConfigDict) -> bool:
   return config.train.num_minibatches > 1
 
 
-def make_score_fn(graphdef, *, temperature: float, batch_sharding, max_chunk_rows: int = 0):
+def make_score_fn(graphdef, *, temperature: float, batch_sharding, max_chunk_rows: int = 0, prompt_group: int = 1):
   """Jitted (params, batch) -> completion (log-probs, entropies) [R, T]: old log-probs and ExGRPO's answer entropy.
 
   The rows are scored at most `max_chunk_rows` at a time (the update's micro-batch rows; 0: all at once), so the
   forward pass never holds more activations than one micro-batch of the update does, while a batch that small (ExGRPO's
-  stored answers, a handful of rows) is one pass rather than a fixed number of tiny ones.
+  stored answers, a handful of rows) is one pass rather than a fixed number of tiny ones. `prompt_group` K > 1: every
+  K consecutive rows share their prompt, scored once for them, as in `make_update_fn`; the chunks take whole groups.
   """
   row_shards = parallel.batch_shards(batch_sharding.mesh)
+  max_chunk_groups = max(max_chunk_rows // prompt_group, 1) if max_chunk_rows else 0
 
   def score(params, batch):
     model = nnx.merge(graphdef, params)
-    rows = batch["input_ids"].shape[0]
-    num_chunks = _num_score_chunks(rows, max_chunk_rows, row_shards)
-    chunks = jax.tree.map(lambda x: _split_rows(x, 1, num_chunks)[0], batch)  # [n, R / n, ...]
+    groups = batch["input_ids"].shape[0] // prompt_group
+    num_chunks = _num_score_chunks(groups, max_chunk_groups, row_shards)
+    chunks = jax.tree.map(lambda x: _split_rows(x, 1, num_chunks, prompt_group)[0], batch)  # [n, R / n, ...]
 
     def score_chunk(chunk):
       chunk = jax.lax.with_sharding_constraint(chunk, batch_sharding)
-      return completion_logprobs(model, chunk, temperature)
+      return completion_logprobs(model, chunk, temperature, prompt_group)
 
     logp, entropy = jax.lax.map(score_chunk, chunks)  # [n, R / n, T] each
-    # Undo the interleaving of _split_rows: row i went to chunk i % n, position i // n.
-    unsplit = lambda x: jnp.swapaxes(x, 0, 1).reshape(rows, *x.shape[2:])
-    return unsplit(logp), unsplit(entropy)
+    return _join_rows(logp, prompt_group), _join_rows(entropy, prompt_group)
 
   return jax.jit(score, in_shardings=(None, batch_sharding), out_shardings=batch_sharding)
 
 
 def _num_score_chunks(rows: int, max_chunk_rows: int, row_shards: int) -> int:
-  """The fewest chunks of at most `max_chunk_rows` rows that still split every device's rows evenly."""
+  """The fewest chunks of at most `max_chunk_rows` rows (or groups of rows) that still split every device's rows
+  evenly."""
   if rows % row_shards:
     raise ValueError(f"score: {rows} rows do not split over the {row_shards} batch shards of the mesh")
   if not max_chunk_rows or rows <= max_chunk_rows:

@@ -171,8 +171,11 @@ class Trainer:
         self.shapes.rows, group, config, self.batch_shards)
     self.prompt_group = group if shared else 1
     self._update_shared = make_update(prompt_group=group) if shared else None
-    self._score = step_lib.make_score_fn(self.graphdef, temperature=config.rollout.temperature or 1.0,
-                                         batch_sharding=batch_sharding, max_chunk_rows=self.shapes.micro_rows)
+    make_score = functools.partial(step_lib.make_score_fn, self.graphdef,
+                                   temperature=config.rollout.temperature or 1.0, batch_sharding=batch_sharding,
+                                   max_chunk_rows=self.shapes.micro_rows)
+    self._score = make_score()
+    self._score_shared = make_score(prompt_group=group) if shared else None  # the update batch's, as above
     self.reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
 
     self.strategy = run_setup.replay_strategy(config, self.shapes.host_batch)
@@ -274,15 +277,15 @@ class Trainer:
         token_advantages=None if dense is None else dense.advantages,
         loss_mask=None if dense is None else dense.loss_mask,
         drop_constant_groups=config.loss.drop_constant_groups)
-    update_fn = self._update
+    update_fn, score_fn = self._update, self._score
     if self._update_shared is not None and not multihost.agree_any(
         not rollout.prompts_shared(host_batch, config.rollout.group_size)):  # every host's batch, or none
-      update_fn = self._update_shared
+      update_fn, score_fn = self._update_shared, self._score_shared
     batch = parallel.shard_batch(host_batch, self.mesh)
     if step_lib.needs_score_pass(config):  # else the update's own forward pass gives pi_old
-      batch["old_logp"], _ = self._score(self.state.params, batch)
+      batch["old_logp"], _ = score_fn(self.state.params, batch)
     if self.reference is not None:
-      batch["ref_logp"], _ = self._score(self.reference, batch)
+      batch["ref_logp"], _ = score_fn(self.reference, batch)
     if self.history is not None:
       self.history.appendleft(jax.tree.map(jnp.copy, self.state.params))
     self.state, metrics, old_logp = update_fn(self.state, batch)
