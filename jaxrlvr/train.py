@@ -25,6 +25,7 @@ from absl import logging
 from flax import nnx
 
 from jaxrlvr import checkpointing
+from jaxrlvr import compile_ahead
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import export as export_lib
 from jaxrlvr import faults
@@ -177,6 +178,7 @@ class Trainer:
     self._score = make_score()
     self._score_shared = make_score(prompt_group=group) if shared else None  # the update batch's, as above
     self.reference = jax.tree.map(jnp.copy, params) if config.loss.kl_coef > 0 else None
+    self._compile_first_step_ahead(shared, batch_sharding)
 
     self.strategy = run_setup.replay_strategy(config, self.shapes.host_batch)
     self.reward_pool = rewards.MathRewardPool.from_config(config)
@@ -185,6 +187,29 @@ class Trainer:
     max_delay = config.replay.get("policy_delay", 0)
     self.history = collections.deque(maxlen=max_delay) if max_delay else None
     self.writer = None
+
+  def _compile_first_step_ahead(self, shared: bool, batch_sharding) -> None:
+    """Starts compiling (or loading from the persistent cache) what the first update batch runs, in a thread
+    (compile_ahead.py), so that it overlaps the step-0 evaluation and the first rollout: the scoring pass where one
+    runs, then the update, each in the variant a batch of whole groups takes."""
+    host = rollout.build_batch([], self.data.book, prompt_len=self.shapes.prompt_len,
+                               completion_len=self.shapes.completion_len, rows=self.shapes.host_rows,
+                               pad_id=self.sampler.pad_id, clip_fresh=False)  # filler rows only: the keys and dtypes
+    batch = {k: jax.ShapeDtypeStruct((self.shapes.rows, *v.shape[1:]), jax.dtypes.canonicalize_dtype(v.dtype),
+                                     sharding=batch_sharding) for k, v in host.items()}  # the global batch
+    logp = jax.ShapeDtypeStruct((self.shapes.rows, self.shapes.completion_len), jnp.float32, sharding=batch_sharding)
+    if step_lib.needs_score_pass(self.config):
+      if shared:
+        self._score_shared = compile_ahead.Ahead(self._score_shared, self.state.params, batch, name="score")
+      else:
+        self._score = compile_ahead.Ahead(self._score, self.state.params, batch, name="score")
+      batch = {**batch, "old_logp": logp}
+    if self.reference is not None:
+      batch = {**batch, "ref_logp": logp}
+    if shared:
+      self._update_shared = compile_ahead.Ahead(self._update_shared, self.state, batch, name="update")
+    else:
+      self._update = compile_ahead.Ahead(self._update, self.state, batch, name="update")
 
   # ---------------------------------------------------------------------------------------------- Run state
   def restore(self, latest: int) -> int:
@@ -282,10 +307,13 @@ class Trainer:
         not rollout.prompts_shared(host_batch, config.rollout.group_size)):  # every host's batch, or none
       update_fn, score_fn = self._update_shared, self._score_shared
     batch = parallel.shard_batch(host_batch, self.mesh)
-    if step_lib.needs_score_pass(config):  # else the update's own forward pass gives pi_old
-      batch["old_logp"], _ = score_fn(self.state.params, batch)
+    # Both scored on the batch as built (one compiled scoring pass for both); pi_old only where a later optimizer
+    # step needs it, else the update's own forward pass gives it.
+    old_logp = score_fn(self.state.params, batch)[0] if step_lib.needs_score_pass(config) else None
     if self.reference is not None:
       batch["ref_logp"], _ = score_fn(self.reference, batch)
+    if old_logp is not None:
+      batch["old_logp"] = old_logp
     if self.history is not None:
       self.history.appendleft(jax.tree.map(jnp.copy, self.state.params))
     self.state, metrics, old_logp = update_fn(self.state, batch)

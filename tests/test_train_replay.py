@@ -12,6 +12,7 @@ it; with one optimizer step a batch the update's own forward pass gives pi_old, 
 import importlib
 import json
 import os
+import types
 import zlib
 
 import numpy as np
@@ -50,18 +51,30 @@ def _sampler_logprobs_of(value: float):
   return patched
 
 
+class _Counted:
+  """A jitted function that calls `on_call(path, *args)` before each call: path "jit" for a call of the function,
+  "ahead" for one of the executable jaxrlvr/compile_ahead.py compiled from it before the first call."""
+
+  def __init__(self, fn, on_call, path="jit"):
+    self.fn, self.on_call, self.path = fn, on_call, path
+
+  def __call__(self, *args):
+    self.on_call(self.path, *args)
+    return self.fn(*args)
+
+  def lower(self, *args):
+    lowered = self.fn.lower(*args)
+    return types.SimpleNamespace(compile=lambda: _Counted(lowered.compile(), self.on_call, "ahead"))
+
+
 def _count_score_calls(monkeypatch) -> list[str]:
   """What each batch the trainer's scoring function is called on from now on is: "update" (it has advantages) or
   "answers" (ExGRPO's stored answers, for their entropy)."""
   rows, make_score_fn = [], step_lib.make_score_fn
 
   def counting_make_score_fn(*args, **kwargs):
-    score = make_score_fn(*args, **kwargs)
-
-    def counted(params, batch):
-      rows.append("update" if "advantages" in batch else "answers")
-      return score(params, batch)
-    return counted
+    return _Counted(make_score_fn(*args, **kwargs),
+                    lambda path, params, batch: rows.append("update" if "advantages" in batch else "answers"))
 
   monkeypatch.setattr(step_lib, "make_score_fn", counting_make_score_fn)
   return rows
@@ -120,17 +133,14 @@ def test_replay_methods_replay_inside_the_loop(method, tmp_path, monkeypatch):
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
 
 
-def _count_update_calls(monkeypatch) -> list[int]:
-  """The prompt group (1: every row its own prompt) of each update the trainer calls from now on."""
+def _count_update_calls(monkeypatch) -> list[tuple[int, str]]:
+  """The prompt group (1: every row its own prompt) of each update the trainer calls from now on, and whether the
+  call ran the executable compiled ahead ("ahead") or the jitted function ("jit")."""
   groups, make_update_fn = [], step_lib.make_update_fn
 
   def counting_make_update_fn(*args, prompt_group=1, **kwargs):
-    update = make_update_fn(*args, prompt_group=prompt_group, **kwargs)
-
-    def counted(state, batch):
-      groups.append(prompt_group)
-      return update(state, batch)
-    return counted
+    return _Counted(make_update_fn(*args, prompt_group=prompt_group, **kwargs),
+                    lambda path, state, batch: groups.append((prompt_group, path)))
 
   monkeypatch.setattr(step_lib, "make_update_fn", counting_make_update_fn)
   return groups
@@ -158,11 +168,12 @@ def test_one_optimizer_step_a_batch_skips_the_scoring_pass_and_trains_the_same(t
 
   scored_rows, update_groups = _count_score_calls(monkeypatch), _count_update_calls(monkeypatch)
   params, rows = smoke_run("own_forward")
-  assert scored_rows == [] and update_groups == [4, 4]
+  # Each group's prompt ran once, and every update ran the executable compiled while the step-0 evaluation ran.
+  assert scored_rows == [] and update_groups == [(4, "ahead"), (4, "ahead")]
   monkeypatch.setattr(step_lib, "needs_score_pass", lambda config: True)  # the loop before the change
   want_params, want_rows = smoke_run("scoring_pass", share_prompts=False)
   assert scored_rows == ["update", "update"]  # one scoring pass of the update batch a step
-  assert update_groups[2:] == [1, 1]
+  assert update_groups[2:] == [(1, "ahead"), (1, "ahead")]
   assert all(r["optim/grad_norm"] > 0 for r in want_rows), want_rows
   assert params.keys() == want_params.keys()
   for name, want in want_params.items():

@@ -1,0 +1,37 @@
+"""compile_ahead.Ahead: the executable compiled in a thread runs the calls it was compiled for, the jit the rest."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlvr import compile_ahead
+
+
+def test_calls_like_the_example_run_the_executable_compiled_ahead_and_others_the_jit():
+  traces = []
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def f(x, y):
+    traces.append(x.shape)  # once per trace
+    return x * 2 + y
+
+  y = jnp.ones(8)
+  ahead = compile_ahead.Ahead(f, jax.ShapeDtypeStruct((8,), jnp.float32, sharding=y.sharding), y)
+  assert traces == [(8,)]  # traced at once, on the calling thread; compiled in the background
+  np.testing.assert_array_equal(ahead(jnp.arange(8.0), y), np.arange(8.0) * 2 + 1)
+  np.testing.assert_array_equal(ahead(jnp.ones(8), y), np.full(8, 3.0))
+  assert traces == [(8,)]  # neither call traced: both ran the compiled executable
+  np.testing.assert_array_equal(ahead(jnp.ones(4), jnp.ones(4)), np.full(4, 3.0))  # other shapes: the jit
+  assert traces == [(8,), (4,)]
+  ahead(jnp.ones(8, jnp.int32), y)  # another dtype: the jit again
+  assert len(traces) == 3
+
+
+def test_the_signature_tells_arrays_from_their_abstract_twins_only_by_what_compiling_reads():
+  x = jnp.ones((2, 3))
+  abstract = jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=x.sharding)
+  assert compile_ahead.signature({"a": x}) == compile_ahead.signature({"a": abstract})
+  assert compile_ahead.signature({"a": x}) != compile_ahead.signature({"b": x})  # another tree
+  assert compile_ahead.signature(x) != compile_ahead.signature(jnp.ones((3, 2)))
+  assert compile_ahead.signature(jnp.asarray(1.0)) != compile_ahead.signature(1.0 * jnp.ones(()))  # weak type
