@@ -27,6 +27,9 @@ optimizer step a batch), run by both systems:
      checkpointing (GRPOConfig), which --trl_bf16 and --trl_gradient_checkpointing turn back on; the output states
      which ran. On a CPU without bfloat16 matmul kernels (AVX2 only) TRL's bf16 autocast falls back to a slow
      reference matmul: its step took ~350 s there against ~30 s in float32.
+jaxrlvr's first step: its trainer compiles the first update in a background thread from its construction on
+(jaxrlvr/compile_ahead.py), and here that overlaps the parity check and TRL's start-up too, so the "first s" column
+can show less than a run's own first step; the main command's is measured in docs/benchmarks.md.
 Differences that remain, listed in the output: the sampling random numbers, and the weight decay of the
 normalisation weights (the HF Trainer exempts them, optax's adamw does not; 1e-7 a step at lr 1e-5, decay 0.01).
 """
