@@ -9,7 +9,8 @@ rollout go on meanwhile, and the first update finds its executable ready or near
 
 Calls whose arguments have the example's structure, shapes, dtypes and shardings run that executable; any other call
 goes to the jitted function, which compiles for it as usual (the result is the same either way, only the timing
-differs). The first such call is logged, since it means the compile ahead was wasted.
+differs). The first such call is logged, since it means the compile ahead was wasted. A process that ends before the
+first call waits for the compile to finish as it exits.
 """
 import concurrent.futures
 from typing import Any, Callable

@@ -28,7 +28,7 @@ def test_calls_like_the_example_run_the_executable_compiled_ahead_and_others_the
   assert len(traces) == 3
 
 
-def test_the_signature_tells_arrays_from_their_abstract_twins_only_by_what_compiling_reads():
+def test_the_signature_is_what_an_executable_is_compiled_for_arrays_and_abstract_ones_alike():
   x = jnp.ones((2, 3))
   abstract = jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=x.sharding)
   assert compile_ahead.signature({"a": x}) == compile_ahead.signature({"a": abstract})
