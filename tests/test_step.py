@@ -255,12 +255,13 @@ def test_shared_prompt_scoring_equals_a_prompt_per_row(max_chunk_rows):
   chunks of whole groups) gives every row's log-probs and entropies in the batch's order."""
   mesh = parallel.make_mesh(1, 2, 1, devices=jax.devices()[:2])
   graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
-  batch = parallel.shard_batch(_shared_prompt_batch(4), mesh)
+  host = _shared_prompt_batch(4)
+  batch = parallel.shard_batch(host, mesh)
   make = lambda group: step_lib.make_score_fn(graphdef, temperature=0.7, batch_sharding=parallel.batch_sharding(mesh),
                                               max_chunk_rows=max_chunk_rows, prompt_group=group)
   for want, got in zip(make(1)(params, batch), make(4)(params, batch)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
-    assert np.all((np.asarray(got) != 0) == (_shared_prompt_batch(4)["attention_mask"][:, _PROMPT:] != 0))
+    assert np.all((np.asarray(got) != 0) == (host["attention_mask"][:, _PROMPT:] != 0))
 
 
 def test_prompt_groups_must_split_into_micro_batches_and_shards():
