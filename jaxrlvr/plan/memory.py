@@ -34,8 +34,10 @@ CPU_MEMORY_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false "
                     "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INVALID")
 # The phases are compiled and never run, so LLVM's optimisation of the machine code is wasted work: buffer assignment
 # (what the figures read) is done on the HLO before it. Level 0 gives the same figures byte for byte and compiles the
-# 7B-wide phases of tests/test_plan_xla.py in 42 s instead of 70 (measured on 2 cores, jax 0.10.2).
-CPU_COMPILE_ONLY_FLAGS = "--xla_backend_optimization_level=0"
+# 7B-wide phases of tests/test_plan_xla.py in 42 s instead of 70 (measured on 2 cores, jax 0.10.2). XLA:CPU's older
+# LLVM emitters in place of its MLIR fusion emitters give the same figures again and halve the rest at level 0 (the
+# 6 phases x 3 depths: 107 -> 57 CPU-s, 2026-12-05).
+CPU_COMPILE_ONLY_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 EXGRPO_STORE_FRACTION = 202_011 / (700 * 128 * 8)  # ExGRPO paper: trajectories stored / rollouts sampled
 TOKENS_PER_TRAJECTORY = 1000  # see plan/report.py's docstring
 ROW_INDEX_BYTES = 52  # per stored row: order queue (2 x int64) + ~36 bytes in the owner's Python list of row ids
