@@ -20,17 +20,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the 
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top,wrong-import-position  (after the cache settings)
+import light_compile  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # The test workers compile hundreds of small functions and run each a few times, so compiling is most of their time:
-# - LLVM's optimisation level 0 compiles about a third faster and runs the code about 2x slower (the tiny model's
-#   warm-start step: 133 ms -> 300 ms on one core, jax 0.10.2), a net gain of ~10% on the suite;
-# - XLA:CPU's older LLVM emitters instead of its MLIR fusion emitters (`xla_cpu_use_fusion_emitters=false`): at level
-#   0 they compile the same functions in about half the CPU time (tests/test_step.py: 143 -> 57 CPU-s; the fast tier
-#   779 -> 561, 2026-12-05). At the default level they compile 2x slower instead, so jobs keep the emitters.
-# Jobs a test starts in a subprocess as a user runs them set their own XLA_FLAGS and get XLA's defaults (there the two
-# flags saved nothing: tests/test_train.py took 256 CPU-s with them, 267 without).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                      "--xla_cpu_use_fusion_emitters=false")
+# tests/light_compile.py's flags halve it.
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {light_compile.FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 devices on 2 cores would give XLA:CPU a pool of 8 threads, too few for an all-reduce over 8 devices once steps are
 # queued ahead (a deadlock, then an abort after 40 s; see jaxrlvr/xla_cpu.py). Set before any test starts JAX, and

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import light_compile
 from jaxrlvr import outputs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +30,9 @@ def _command(workdir: str, cache: str, *extra: str, processes: int = 2) -> list[
 
 
 def _run(workdir: str, cache: str, *extra: str, processes: int = 2, devices: int = 4) -> subprocess.CompletedProcess:
-  # LLVM at level 0 with the older emitters (tests/conftest.py says why): a few smoke steps are mostly compiling; the
-  # warm start they load was trained by `warm_cache`, at the default level.
-  flags = (f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 "
-           "--xla_cpu_use_fusion_emitters=false")
+  # Compiled light (tests/light_compile.py): a few smoke steps are mostly compiling; the warm start they load was
+  # trained by `warm_cache`, at XLA's defaults.
+  flags = f"--xla_force_host_platform_device_count={devices} {light_compile.FLAGS}"
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   return subprocess.run(_command(workdir, cache, *extra, processes=processes), cwd=_REPO, env=env, capture_output=True,
                         text=True, timeout=_TIMEOUT_S)

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 
+import light_compile
+
 _WORKER = r"""
 import json, sys
 import jax
@@ -36,10 +38,8 @@ def sample_in_two_processes(tmp_path, config, prompts: list[list[list[int]]], **
     address = f"localhost:{s.getsockname()[1]}"
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  # LLVM at level 0 with the older emitters (tests/conftest.py says why): a few sampler calls of a tiny model are
-  # mostly compiling.
-  env = dict(os.environ, XLA_FLAGS=("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-                                    "--xla_cpu_use_fusion_emitters=false"),
+  # Compiled light (tests/light_compile.py): a few sampler calls of a tiny model are mostly compiling.
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {light_compile.FLAGS}",
              JAX_PLATFORMS="cpu")
   args = [json.dumps(dataclasses.asdict(config)), json.dumps(generate_kwargs)]
   procs = [subprocess.Popen([sys.executable, str(script), str(i), address, json.dumps(prompts[i]), *args], env=env,
