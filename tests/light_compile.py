@@ -9,7 +9,7 @@ tests start where their figures are not what is checked (several processes on lo
   instead, so the main job keeps XLA's defaults.
 
 Jobs a test starts as a user runs them (the main command's smoke runs) set only their device count: there these flags
-saved nothing (tests/test_train.py: 256 CPU-s with them, 267 without), since what such a job runs costs as much as
+saved nothing (tests/test_train.py: 268 CPU-s with them, 267 without), since what such a job runs costs as much as
 what it compiles.
 """
 FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

@@ -20,7 +20,8 @@ def test_does_nothing():
 
 
 def test_each_test_gets_a_line_with_its_own_and_its_subprocesses_cpu(tmp_path):
-  (tmp_path / "conftest.py").write_text(open(os.path.join(_REPO, "tests", "conftest.py"), encoding="utf-8").read())
+  for name in ("conftest.py", "light_compile.py"):  # tests/conftest.py and the module it imports
+    (tmp_path / name).write_text(open(os.path.join(_REPO, "tests", name), encoding="utf-8").read())
   (tmp_path / "test_spin.py").write_text(_TESTS)
   log = tmp_path / "cpu.jsonl"
   ours = os.environ["JAXRLVR_TEST_RUN_DIR"]
