@@ -6,6 +6,7 @@ The training loop (train.py), the supervised control (compare/sft_control.py) an
 build from here, so that a config means the same rows, shapes and sampler calls to each of them.
 """
 import dataclasses
+import functools
 import os
 
 import jax
@@ -218,12 +219,13 @@ def build_policy(config: ml_collections.ConfigDict, mesh, book: rollout.PromptBo
   if len(tokenizer) > model_cfg.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but model preset {config.model.preset!r} has "
                      f"vocab_size {model_cfg.vocab_size}")
-  model = parallel.create_model(model_cfg, mesh, seed=config.seed)
+  make_model = functools.partial(parallel.create_model, model_cfg, mesh, seed=config.seed)  # at random init
   if not config.warm_start.steps:
-    return model, model_cfg
+    return make_model(), model_cfg
   max_rows = config.warm_start.steps * config.warm_start.batch_size
-  pairs, missing = data_lib.warm_start_pairs(book.source, tokenizer, book.many_prompt_ids, max_rows=max_rows,
-                                             completion_len=config.rollout.max_new_tokens)
+  missing = data_lib.rows_without_solution(book.source, max_rows)
+  pairs = warm_start.PairSource(book.source, tokenizer, book.many_prompt_ids, count=min(len(book.source), max_rows),
+                                completion_len=config.rollout.max_new_tokens)
   task = config.data.source
   if missing and warm_start.embedded_fallback(config):
     pairs, task = warm_start.embedded_pairs(config, tokenizer, max_rows), warm_start.EMBEDDED_TASK
@@ -235,16 +237,15 @@ def build_policy(config: ml_collections.ConfigDict, mesh, book: rollout.PromptBo
     logging.info("warm start on the embedded task: %s", note)
     if multihost.is_main():
       print(f"jaxrlvr: {note}.")
-  if missing and not pairs:
+  elif missing:
     logging.info("warm start skipped: %d of the first %d training rows of %s have no '%s' (data.solution_field) to "
                  "imitate, so RL starts from the %r preset at random initialisation", missing,
                  min(len(book.source), max_rows), config.data.source, config.data.solution_field,
                  config.model.preset)
-    return model, model_cfg
+    return make_model(), model_cfg
   model = warm_start.cached_warm_start(
-      model, model_cfg, tokenizer, pairs, task=task, steps=config.warm_start.steps,
-      lr=config.warm_start.lr, batch_size=config.warm_start.batch_size, seed=config.seed,
-      prompt_len=config.data.max_prompt_len, completion_len=config.rollout.max_new_tokens,
+      make_model, model_cfg, pairs, task=task, steps=config.warm_start.steps, lr=config.warm_start.lr,
+      batch_size=config.warm_start.batch_size, seed=config.seed, prompt_len=config.data.max_prompt_len,
       cache_dir=config.warm_start.cache_dir, mesh=mesh)
   return model, model_cfg
 

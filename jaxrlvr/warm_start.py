@@ -12,7 +12,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,48 @@ _VERSION = 2
 _EXECUTION_FIELDS = ("attention", "attention_block_size", "remat")
 
 
-def cache_key(model_config, tokenizer, pairs, *, task: str, steps: int, lr: float, batch_size: int,
-              seed: int) -> str:
-  """A hash of everything the warm-started weights depend on; the first pairs stand for the task's text format."""
+KEY_SAMPLE = 64  # the pairs whose token ids the cache key hashes: they stand for the task's text format
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSource:
+  """A warm start's (prompt ids, solution ids + eos) pairs: the first `count` rows of `source`, each with a solution.
+
+  `take(n)` tokenises the first n. The cache key needs only its sample of `KEY_SAMPLE` pairs, so a cached warm start
+  skips tokenising the rest (19,200 prompts and solutions of the default command: about 1.3 s of every start on 2
+  cores); a row that cannot be a pair (a solution too long, characters the tokenizer lacks) stops the run when the
+  warm start trains on it.
+  """
+  source: data_lib.Source
+  tokenizer: Any
+  many_prompt_ids: Callable[[Sequence[int]], list[list[int]]]  # `rollout.PromptBook.many_prompt_ids`
+  count: int
+  completion_len: int  # rollout.max_new_tokens: a solution and its stop token must fit
+  fit_hint: str = ""  # said after a row that does not fit, with what to change; empty: data_lib's own message
+
+  def take(self, n: int) -> list[tuple[list[int], list[int]]]:
+    try:
+      pairs, missing = data_lib.warm_start_pairs(self.source, self.tokenizer, self.many_prompt_ids,
+                                                 max_rows=min(n, self.count), completion_len=self.completion_len)
+    except ValueError as e:  # a DataError too
+      if not self.fit_hint:
+        raise
+      raise data_lib.DataError(self.fit_hint.format(error=e)) from e
+    assert not missing, "the caller counted the rows without a solution first"
+    return pairs
+
+
+def cache_key(model_config, tokenizer, sample, *, num_pairs: int, task: str, steps: int, lr: float,
+              batch_size: int, seed: int) -> str:
+  """A hash of everything the warm-started weights depend on; `sample`, the first `KEY_SAMPLE` of the `num_pairs`
+  pairs, stands for the task's text format."""
   vocab = sorted(tokenizer.get_vocab().items())
   # How the model is computed (attention kernel, remat) does not change what it learns: not part of the key.
   architecture = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _EXECUTION_FIELDS}
-  sample = [(list(map(int, p)), list(map(int, c))) for p, c in pairs[:64]]
+  sample = [(list(map(int, p)), list(map(int, c))) for p, c in sample[:KEY_SAMPLE]]
   blob = json.dumps({"version": _VERSION, "model": repr(sorted(architecture.items())), "vocab": vocab, "task": task,
                      "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": sample,
-                     "num_pairs": len(pairs)}, sort_keys=True)
+                     "num_pairs": num_pairs}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -125,10 +158,13 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
   return nnx.merge(graphdef, params)
 
 
-def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps: int, lr: float, batch_size: int,
-                      seed: int, prompt_len: int, completion_len: int, cache_dir: str, mesh):
-  """The warm-started model, trained once and then loaded from `cache_dir/<key>` (an HF checkpoint directory)."""
-  key = cache_key(model_config, tokenizer, pairs, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+def cached_warm_start(make_model: Callable[[], Any], model_config, pairs: PairSource, *, task: str, steps: int,
+                      lr: float, batch_size: int, seed: int, prompt_len: int, cache_dir: str, mesh):
+  """The warm-started model, trained once from `make_model()` (a model at random initialisation) and then loaded
+  from `cache_dir/<key>` (an HF checkpoint directory); a cached one neither initialises a model nor tokenises more
+  than the key's sample of `pairs`."""
+  key = cache_key(model_config, pairs.tokenizer, pairs.take(KEY_SAMPLE), num_pairs=pairs.count, task=task,
+                  steps=steps, lr=lr, batch_size=batch_size, seed=seed)
   path = os.path.join(cache_dir or default_cache_dir(), key)
   with _one_trainer(path):
     # Several processes: process 0 alone decides whether the entry exists (another run may finish it between two
@@ -136,9 +172,9 @@ def cached_warm_start(model, model_config, tokenizer, pairs, *, task: str, steps
     # only after the barrier, so nobody races on the file or reads it half-written.
     if not multihost.broadcast_flag(os.path.exists(os.path.join(path, "config.json"))):
       logging.info("warm start: training %d supervised steps (cache %s)", steps, path)
-      model = train_supervised(model, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                               prompt_len=prompt_len, completion_len=completion_len, pad_id=tokenizer.pad_token_id,
-                               batch_sharding=parallel.batch_sharding(mesh))
+      model = train_supervised(make_model(), pairs.take(pairs.count), steps=steps, lr=lr, batch_size=batch_size,
+                               seed=seed, prompt_len=prompt_len, completion_len=pairs.completion_len,
+                               pad_id=pairs.tokenizer.pad_token_id, batch_sharding=parallel.batch_sharding(mesh))
       if multihost.is_main():
         # Write beside the target and rename, so a killed run never leaves a half-written cache entry.
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -184,7 +220,7 @@ def embedded_model(config) -> bool:
           and config.data.source != EMBEDDED_TASK)
 
 
-def embedded_pairs(config, tokenizer, max_rows: int):
+def embedded_pairs(config, tokenizer, max_rows: int) -> PairSource:
   """The warm-start pairs of the default command (`data.source=synthetic:arithmetic` and this config's seed,
   template, worked_fraction, ...): the same source, prompts and solutions, so the same cache key and weights."""
   embedded = ml_collections.ConfigDict(config.to_dict())
@@ -192,12 +228,8 @@ def embedded_pairs(config, tokenizer, max_rows: int):
   train_set, _ = data_lib.sources_from_config(embedded)
   book = rollout.PromptBook(train_set, tokenizer, template=config.tokenizer.template,
                             max_prompt_len=config.data.max_prompt_len)
-  try:
-    pairs, missing = data_lib.warm_start_pairs(train_set, tokenizer, book.many_prompt_ids, max_rows=max_rows,
-                                               completion_len=config.rollout.max_new_tokens)
-  except ValueError as e:  # a DataError too: this run's lengths are shorter than the embedded task's
-    raise data_lib.DataError(f"config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit "
-                             f"this run ({e}); restore the embedded default's lengths, or skip it with "
-                             "--config.warm_start.embedded_fallback=False") from e
-  assert not missing, "every embedded train question has a solution"
-  return pairs
+  # This run's lengths may be shorter than the embedded task's.
+  hint = ("config.warm_start.embedded_fallback=True: the embedded task's warm start does not fit this run ({error}); "
+          "restore the embedded default's lengths, or skip it with --config.warm_start.embedded_fallback=False")
+  return PairSource(train_set, tokenizer, book.many_prompt_ids, count=min(len(train_set), max_rows),
+                    completion_len=config.rollout.max_new_tokens, fit_hint=hint)

@@ -64,7 +64,7 @@ def test_jsonl_trains_and_evaluates_on_its_own_held_out_rows(tmp_path, monkeypat
   assert config.data.worked_fraction == 0.4  # the tiny preset's synthetic setting needs no override here
   warm_started = []
   monkeypatch.setattr(run_setup.warm_start, "cached_warm_start",
-                      lambda model, *a, **k: warm_started.append(k["task"]) or model)
+                      lambda make_model, *a, **k: warm_started.append(k["task"]) or make_model())
   workdir = str(tmp_path / "run")
   train.run(config, workdir)
 
@@ -340,7 +340,7 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
   solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
   calls = []
   monkeypatch.setattr(run_setup.warm_start, "cached_warm_start",
-                      lambda model, model_config, tok, pairs, **kwargs: calls.append((pairs, kwargs)) or model)
+                      lambda make_model, model_config, pairs, **kwargs: calls.append((pairs, kwargs)) or make_model())
   monkeypatch.setattr(run_setup.models, "load_pretrained", lambda *a, **k: ("pretrained", None))
   mesh = parallel.make_mesh(*config_lib.mesh_shape(exgrpo.get_config("smoke").mesh, jax.device_count()))
   with_solutions = _write_jsonl(tmp_path / "with.jsonl", _qa_rows(solution=solutions))
@@ -359,7 +359,8 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
   pairs, kwargs = calls.pop()
   assert kwargs["task"] == f"jsonl:{with_solutions}" and kwargs["steps"] == config.warm_start.steps
   solution_ids = tokenizer(book.example(0).solution, add_special_tokens=False)["input_ids"]
-  assert len(pairs) == 9 and pairs[0] == (book.prompt_ids(0), solution_ids + [tokenizer.eos_token_id])
+  assert pairs.count == 9 and pairs.take(1) == [(book.prompt_ids(0), solution_ids + [tokenizer.eos_token_id])]
+  assert len(pairs.take(pairs.count)) == 9
 
   # No solutions, the default config: the default command's own warm start (the same pairs and settings, so the
   # same cache entry), said in one printed line.
@@ -373,9 +374,12 @@ def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_s
   capsys.readouterr()
   build(default)
   fallback = calls.pop()
-  assert fallback[1]["task"] == warm_start.EMBEDDED_TASK and fallback == reference
+  assert fallback[1]["task"] == warm_start.EMBEDDED_TASK and fallback[1] == reference[1]
+  assert fallback[0].count == reference[0].count
+  assert fallback[0].take(100) == reference[0].take(100)
   key = lambda pairs, kw: run_setup.warm_start.cache_key(
-      models.get_preset("tiny"), tokenizer, pairs, **{k: kw[k] for k in ("task", "steps", "lr", "batch_size", "seed")})
+      models.get_preset("tiny"), tokenizer, pairs.take(warm_start.KEY_SAMPLE), num_pairs=pairs.count,
+      **{k: kw[k] for k in ("task", "steps", "lr", "batch_size", "seed")})
   assert key(*fallback) == key(*reference)
   assert capsys.readouterr().out == (
       f"jaxrlvr: 9 of the first 9 training rows of jsonl:{without} have no 'solution' (data.solution_field) to "

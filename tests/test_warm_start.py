@@ -47,33 +47,49 @@ def test_warm_start_learns_and_compiles_its_step_once(devices, monkeypatch):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(nnx.state(trained)))
 
 
+class _Vocab:
+  pad_token_id = 0
+
+  def get_vocab(self):
+    return {"a": 0, "b": 1}
+
+
+@dataclasses.dataclass
+class _Pairs:
+  """`warm_start.PairSource`'s interface over fixed pairs; records how many each `take` asked for."""
+  pairs: list
+  completion_len: int = 4
+  tokenizer: _Vocab = dataclasses.field(default_factory=_Vocab)
+  taken: list = dataclasses.field(default_factory=list)
+
+  @property
+  def count(self):
+    return len(self.pairs)
+
+  def take(self, n):
+    self.taken.append(n)
+    return self.pairs[:n]
+
+
 def test_cache_key_ignores_how_the_model_is_computed():
   """The attention kernel, its block size and remat change no weight the warm start learns, so they share a cache
   entry; the architecture, the data and the optimisation do not."""
-  class Vocab:
-    def get_vocab(self):
-      return {"a": 0, "b": 1}
-
   config = models.get_preset("tiny")
   pairs = [([1, 2], [3])]
-  key = lambda cfg, **kw: warm_start.cache_key(cfg, Vocab(), pairs, task="t", steps=kw.get("steps", 10), lr=1e-3,
-                                               batch_size=4, seed=0)
+  key = lambda cfg, **kw: warm_start.cache_key(cfg, _Vocab(), pairs, num_pairs=kw.get("num_pairs", 1), task="t",
+                                               steps=kw.get("steps", 10), lr=1e-3, batch_size=4, seed=0)
   base = key(config)
   for same in (dict(attention="blockwise"), dict(attention="xla", attention_block_size=64), dict(remat=True)):
     assert key(dataclasses.replace(config, **same)) == base, same
   assert key(dataclasses.replace(config, hidden_size=config.hidden_size * 2)) != base
   assert key(config, steps=11) != base
+  assert key(config, num_pairs=2) != base
 
 
 def test_runs_started_together_train_a_warm_start_once(tmp_path, monkeypatch):
   """Two runs that want the same entry at once (the arms of `compare --parallel=2`, a test run's two workers): one
-  trains it, the other waits on the entry's lock and then reads it, and both get the same weights."""
-  class Tokenizer:
-    pad_token_id = 0
-
-    def get_vocab(self):
-      return {"a": 0, "b": 1}
-
+  trains it, the other waits on the entry's lock and then reads it, and both get the same weights. The one that
+  reads neither initialises a model nor tokenises more than the cache key's sample of its pairs."""
   mesh = parallel.make_mesh(data=1, devices=jax.devices()[:1])
   trained, started = [], threading.Event()
 
@@ -85,21 +101,22 @@ def test_runs_started_together_train_a_warm_start_once(tmp_path, monkeypatch):
     return model
 
   monkeypatch.setattr(warm_start, "train_supervised", train)
-  results = {}
-
-  models_ = {name: parallel.create_model(_MODEL, mesh, seed=seed) for name, seed in (("first", 0), ("second", 1))}
+  results, pairs = {}, {"first": _Pairs(_PAIRS), "second": _Pairs(_PAIRS)}
+  make_model = {"first": lambda: parallel.create_model(_MODEL, mesh, seed=0),
+                "second": lambda: pytest.fail("a cached warm start initialised a model")}
 
   def run(name):
     results[name] = warm_start.cached_warm_start(
-        models_[name], _MODEL, Tokenizer(), _PAIRS, task="t", steps=3, lr=1e-3,
-        batch_size=2, seed=0, prompt_len=4, completion_len=4, cache_dir=str(tmp_path), mesh=mesh)
+        make_model[name], _MODEL, pairs[name], task="t", steps=3, lr=1e-3, batch_size=2, seed=0, prompt_len=4,
+        cache_dir=str(tmp_path), mesh=mesh)
 
   first = threading.Thread(target=run, args=("first",))
   first.start()
   assert started.wait(30)
-  run("second")  # a different initialisation: what it returns must be the first run's entry, not its own model
+  run("second")  # what it returns must be the first run's entry
   first.join()
   assert len(trained) == 1
+  assert pairs["first"].taken == [warm_start.KEY_SAMPLE, 3] and pairs["second"].taken == [warm_start.KEY_SAMPLE]
   (entry,) = [e for e in os.listdir(tmp_path) if not e.startswith(".")]
   assert sorted(os.listdir(tmp_path)) == sorted([entry, f".{entry}.lock"])  # no half-written copy left beside it
   for a, b in zip(jax.tree.leaves(nnx.state(results["first"])), jax.tree.leaves(nnx.state(results["second"]))):

@@ -6,6 +6,7 @@ iterator (imports none of them).
 """
 from jaxrlvr.data.iterator import QuestionIterator
 from jaxrlvr.data.prompts import check_prompts
+from jaxrlvr.data.prompts import rows_without_solution
 from jaxrlvr.data.prompts import warm_start_pairs
 from jaxrlvr.data.registry import hold_out
 from jaxrlvr.data.registry import make_source
@@ -28,5 +29,5 @@ from jaxrlvr.data.types import Source
 
 __all__ = ["ArithmeticSource", "DataError", "Example", "ListSource", "QuestionIterator", "Source", "Subset",
            "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "encode", "format_prompt",
-           "hold_out", "load_tokenizer", "make_source", "sources_from_config", "stop_token_ids",
+           "hold_out", "load_tokenizer", "make_source", "rows_without_solution", "sources_from_config", "stop_token_ids",
            "tokenizer_from_config", "warm_start_pairs", "warm_start_texts"]

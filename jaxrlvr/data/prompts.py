@@ -112,6 +112,11 @@ def check_prompts(parts: Sequence[tuple[str, Source, int]], tokenizer, *, templa
   raise DataError(message)
 
 
+def rows_without_solution(source: Source, max_rows: int) -> int:
+  """How many of the first `max_rows` rows have no solution (the warm start imitates solutions: it needs them all)."""
+  return sum(not source[q].solution for q in range(min(len(source), max_rows)))
+
+
 def warm_start_pairs(source: Source, tokenizer, many_prompt_ids: Callable[[Sequence[int]], list[list[int]]], *,
                      max_rows: int, completion_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
   """(pairs, rows without a solution) over the first `max_rows` rows: pairs are (prompt ids, solution ids + eos);
@@ -121,11 +126,11 @@ def warm_start_pairs(source: Source, tokenizer, many_prompt_ids: Callable[[Seque
   start on the rows that happen to have one would imitate a biased part of the data). A solution the tokenizer cannot
   encode, or longer than the completion (`rollout.max_new_tokens` with the stop token), stops with its row.
   """
-  qids = range(min(len(source), max_rows))
-  solutions = [source[q].solution for q in qids]
-  missing = sum(not s for s in solutions)
+  missing = rows_without_solution(source, max_rows)
   if missing:
     return [], missing
+  qids = range(min(len(source), max_rows))
+  solutions = [source[q].solution for q in qids]
   pairs = []
   unk = tokenizer.unk_token_id
   for start in range(0, len(qids), _CHUNK):
