@@ -74,6 +74,10 @@ def get_config(arg: str | None = None):
     judge.kind = "model"
     judge.max_new_tokens = 8
     judge.batch_size = 64
+  if args.smoke:
+    # A call's rows are padded to batch_size with copies, and the judge prompts are ~950 tokens for the embedded
+    # tokenizer: a smoke step's 4 x 4 rollouts in one call of 16, not 64 (a quarter of the judge's time).
+    judge.batch_size = config.rollout.batch_size * config.rollout.group_size
   if args.reward not in ("outcome", "process"):
     raise config_lib.ConfigError(f"config arg reward={args.reward!r}: expected outcome or process")
   return config_lib.finalize(config)
