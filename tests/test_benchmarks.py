@@ -14,10 +14,15 @@ import light_compile
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _harness_env(xla_flags: str = "") -> dict:
+  """The environment of a benchmark whose harness is checked, not its figures: tests/light_compile.py's flags, and
+  `xla_flags` for the benchmarks that do not set their own device count."""
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{xla_flags} {light_compile.FLAGS}".strip())
+
+
 @pytest.mark.slow
 def test_sampler_benchmark_runs_on_two_cpu_devices():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = light_compile.FLAGS  # its harness is checked, not its figures; it sets the device count
+  env = _harness_env()
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "sampler.py"), "--models=tiny", "--batch=4",
              "--prompt_len=8", "--new_tokens=4", "--repeats=1", "--cpu_devices=2"]
   result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -38,8 +43,7 @@ def test_sampler_benchmark_runs_on_two_cpu_devices():
 def test_gpu_section_runs_its_code_on_cpu():
   """The GPU section (the static sampler's bandwidth table, then the engine on long-tailed answers) at toy sizes on
   CPU, so that a machine with a GPU runs code that has run before; no figure is asserted."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = light_compile.FLAGS  # its harness is checked, not its figures; it sets the device count
+  env = _harness_env()
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "sampler.py"), "--gpu_section_on_cpu",
              "--gpu_preset=tiny", "--gpu_batches=4", "--gpu_prompt_len=8", "--gpu_new_tokens=8",
              "--gpu_long_prompt_len=8", "--gpu_long_cap=32", "--gpu_long_mean_tokens=16", "--repeats=1",
@@ -66,8 +70,7 @@ def test_main_command_benchmark_reruns_the_readme_commands():
 
 @pytest.mark.slow
 def test_update_split_benchmark_reports_every_part_against_the_matmul_peak():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = light_compile.FLAGS  # its harness is checked, not its figures; it sets the device count
+  env = _harness_env()
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "update_split.py"), "--model=tiny", "--rows=64",
              "--prompt=8", "--completion=8", "--minibatches=2", "--repeats=1"]
   result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -87,8 +90,7 @@ def test_update_split_benchmark_reports_every_part_against_the_matmul_peak():
 @pytest.mark.slow
 def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(tmp_path):
   pytest.importorskip("trl", reason="TRL is the peer: pip install -e '.[peers]' (CI installs it)")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = light_compile.FLAGS  # its harness is checked, not its figures; it sets the device count
+  env = _harness_env()
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "peer_grpo.py"), "--model=tiny", "--steps=2",
              "--eval_size=4", "--trl_threads=1", f"--workdir={tmp_path}"]
   result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -117,8 +119,7 @@ def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(
 
 @pytest.mark.slow
 def test_preset_rollout_benchmark_times_both_samplers_on_the_same_rows():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {light_compile.FLAGS}")
+  env = _harness_env("--xla_force_host_platform_device_count=1")
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "preset_rollout.py"),
              "--config=configs/exgrpo.py:smoke", "--calls=2",
              f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}"]
