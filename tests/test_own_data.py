@@ -335,6 +335,20 @@ def test_warm_start_pairs_from_a_solution_field(tmp_path, tokenizer):
     data.warm_start_pairs(source, tokenizer, book, max_rows=10, completion_len=4)
 
 
+def test_the_embedded_warm_start_that_does_not_fit_a_run_says_so(tokenizer):
+  """The embedded task's pairs for a run whose answers are shorter than its worked solutions: one DataError naming
+  the fallback and how to skip it, at the first pairs taken (the cache key's sample)."""
+  config = _smoke_config("jsonl:/unused.jsonl")
+  with config.unlocked():
+    config.rollout.max_new_tokens = 4
+  pairs = warm_start.embedded_pairs(config, tokenizer, max_rows=100)
+  assert pairs.count == 100
+  with pytest.raises(data.DataError, match=r"^config.warm_start.embedded_fallback=True: the embedded task's warm "
+                                           r"start does not fit this run \(data.source synthetic:arithmetic:train row 0: the solution has .*"
+                                           r"--config.warm_start.embedded_fallback=False$"):
+    pairs.take(warm_start.KEY_SAMPLE)
+
+
 def test_build_policy_warm_starts_on_a_solution_field_or_the_embedded_task_and_skips_when_told(
     tmp_path, monkeypatch, tokenizer, caplog, capsys):
   solutions = [a if a.startswith("\\boxed") else f"\\boxed{{{a}}}" for _, a in QUESTIONS]
