@@ -11,6 +11,7 @@ processes write the checkpoint together (checkpointing.py).
 """
 import collections
 import contextlib
+import copy
 import functools
 import gc
 import json
@@ -59,6 +60,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   unsolvable = faults.UnsolvableWatch(config, start_step=start_step, num_eval=len(trainer.data.eval_examples),
                                       writer=writer)
   nonfinite = faults.NonFiniteStreak(config.optim.get("max_nonfinite_steps", 0), checkpointer.directory)
+  trainer.prepare_first_rollout()  # in the background, beside the step-0 evaluation
   if start_step == 0:
     writer.write(0, unsolvable.evaluated(trainer.evaluate(0)))
 
@@ -187,6 +189,7 @@ class Trainer:
     max_delay = config.replay.get("policy_delay", 0)
     self.history = collections.deque(maxlen=max_delay) if max_delay else None
     self.writer = None
+    self._first_rollout = None  # prepare_first_rollout's future
 
   def _compile_first_step_ahead(self, shared: bool, batch_sharding) -> None:
     """Starts compiling (or loading from the persistent cache) what the first update batch runs, in a thread
@@ -210,6 +213,20 @@ class Trainer:
       self._update_shared = compile_ahead.Ahead(self._update_shared, self.state, batch, name="update")
     else:
       self._update = compile_ahead.Ahead(self._update, self.state, batch, name="update")
+
+  def prepare_first_rollout(self) -> None:
+    """Starts compiling, or loading from the persistent cache, what the first rollout's sampler runs, in the
+    compile-ahead thread after the first update (compile_ahead.py), so that it overlaps the step-0 evaluation; the
+    first `sample` waits for it. Its prompts are the next fresh questions' (drawn from a copy of the iterator):
+    their number and length fix the programs' shapes. The rollout engine only (`rollout.prepare_sampling`)."""
+    if self.sampler.engine == "static":
+      return
+    group = self.config.rollout.group_size
+    qids = copy.deepcopy(self.questions).next(self.shapes.host_batch)
+    prompts = [self.data.book.prompt_ids(q) for q in qids for _ in range(group)]  # tokenised here, not in the thread
+    self._first_rollout = compile_ahead.in_background(
+        rollout.prepare_sampling, self.policy(self.state.params), prompts, self.sampler, mesh=self.mesh,
+        pad_batch_to=self.shapes.host_batch * group)
 
   # ---------------------------------------------------------------------------------------------- Run state
   def restore(self, latest: int) -> int:
@@ -265,6 +282,9 @@ class Trainer:
 
   def sample(self, plan: replay.Plan, step: int, rng) -> tuple[list, dict]:
     """The plan's rollouts sampled (each at its policy delay) and rewarded: (sampled groups, rollout metrics)."""
+    if self._first_rollout is not None:
+      self._first_rollout.result()  # compiled or loaded ahead; raises what the preparation raised
+      self._first_rollout = None
     history, params = self.history, self.state.params
     policy_at = lambda delay: self.policy(history[min(delay, len(history)) - 1] if delay and history else params)
     pad_to = self.shapes.host_batch * self.config.rollout.group_size
@@ -409,11 +429,8 @@ def _join_sampler_calls(policy_at, requests, book: rollout.PromptBook, settings:
     if delay > min(local):
       raise RuntimeError(f"train.py: another host samples at policy delay {delay}, between this host's delays "
                          f"{sorted(local)}; the sampler calls cannot be matched")
-    rollout.generate(policy_at(delay), [book.prompt_ids(requests[0].qid)], max_new_tokens=settings.max_new_tokens,
-                     rng=jax.random.fold_in(rng, delay), temperature=settings.temperature, top_p=settings.top_p,
-                     top_k=settings.top_k, eos_ids=settings.eos_ids, pad_id=settings.pad_id, mesh=mesh,
-                     pad_batch_to=pad_batch_to, **settings.memory_limits(),
-                     **settings.engine_settings())  # the same calls as the other hosts
+    rollout.generate(policy_at(delay), [book.prompt_ids(requests[0].qid)], rng=jax.random.fold_in(rng, delay),
+                     **settings.call_arguments(mesh, pad_batch_to))  # the same calls as the other hosts
 
 
 def _log_host_row(step: int, row: dict, num_hosts: int) -> None:

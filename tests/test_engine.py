@@ -313,3 +313,20 @@ def test_invalid_arguments_name_themselves(model):
     rollout.generate(model, [[1]], max_new_tokens=2, rng=0, engine="continuous", return_logits=True)
   with pytest.raises(ValueError, match="engine='paged'"):
     rollout.generate(model, [[1]], max_new_tokens=2, rng=0, engine="paged")
+
+
+def test_prepare_compiles_what_generate_runs_and_samples_nothing(model):
+  """`rollout.prepare` (what the trainer runs beside the step-0 evaluation) traces and compiles the programs a call
+  runs without sampling; the call itself then traces nothing. The static sampler has nothing to prepare."""
+  prompts = _group_prompts(groups=3, samples=4, seed=5)
+  kwargs = dict(max_new_tokens=37, temperature=1.0, eos_ids=(5, 11))  # a length no other test samples: fresh shapes
+  traced = lambda: sum(engine.TRACE_COUNTS.values())
+  before = traced()
+  assert not rollout.prepare(model, prompts, rng=jax.random.key(3), engine="static", **kwargs)
+  assert traced() == before
+  assert rollout.prepare(model, prompts, rng=jax.random.key(3), engine="continuous", **kwargs)
+  prepared = traced()
+  assert prepared > before  # the insert, the decode chunks of every compaction level, the compactions
+  out = rollout.generate(model, prompts, rng=jax.random.key(3), engine="continuous", **kwargs)
+  assert traced() == prepared
+  assert out.tokens.shape == (len(prompts), 37) and (out.lengths > 0).all()

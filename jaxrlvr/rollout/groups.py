@@ -17,6 +17,7 @@ import collections
 from collections.abc import Callable, Sequence
 import concurrent.futures
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -84,6 +85,12 @@ class SamplerSettings:
   def engine_settings(self) -> dict:
     return {name: getattr(self, name) for name in sampler.ENGINE_SETTINGS}
 
+  def call_arguments(self, mesh: Any, pad_batch_to: int) -> dict:
+    """`sampler.generate`'s keyword arguments for these settings, all but `rng`."""
+    return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, eos_ids=self.eos_ids, pad_id=self.pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
+                **self.memory_limits(), **self.engine_settings())
+
 
 def decode(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
   return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens, lengths)], skip_special_tokens=True)
@@ -146,11 +153,8 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
     prompts = [book.prompt_ids(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
     answers = [book.answer(requests[i].qid) for i in indices for _ in range(requests[i].n_samples)]
     with ScoreAsRowsFinish(reward_pool, book.tokenizer, answers) as scorer:
-      out = sampler.generate(models_by_delay(delay), prompts, max_new_tokens=settings.max_new_tokens,
-                              rng=jax.random.fold_in(rng, delay), temperature=settings.temperature,
-                              top_p=settings.top_p, top_k=settings.top_k, eos_ids=settings.eos_ids,
-                              pad_id=settings.pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
-                              **settings.memory_limits(), **settings.engine_settings(), on_rows_done=scorer)
+      out = sampler.generate(models_by_delay(delay), prompts, **settings.call_arguments(mesh, pad_batch_to),
+                             rng=jax.random.fold_in(rng, delay), on_rows_done=scorer)
       rewards, reward_info = scorer.result()
     info["rollout/sampled_tokens"] += float(out.lengths.sum())
     info["reward/timeouts"] += reward_info.get("timeouts", 0)
@@ -169,6 +173,14 @@ def sample_groups(models_by_delay: Callable[[int], object], requests: Sequence[r
         row += 1
       groups[i] = replay.Group(requests[i].qid, rollouts, source=requests[i].kind)
   return groups, info
+
+
+def prepare_sampling(model, prompts: Sequence[Sequence[int]], settings: SamplerSettings, *, mesh=None,
+                     pad_batch_to: int = 1) -> bool:
+  """Compiles, or loads from the persistent compilation cache, what `sample_groups` runs for these prompts (a
+  question's samples in a row) at the current policy, and samples nothing (`sampler.prepare`: the rollout engine;
+  the static sampler compiles at its first call). Returns whether it did."""
+  return sampler.prepare(model, prompts, **settings.call_arguments(mesh, pad_batch_to), rng=jax.random.key(0))
 
 
 def pack_rows(book: PromptBook, qids: Sequence[int], completions: Sequence[np.ndarray], *, prompt_len: int,

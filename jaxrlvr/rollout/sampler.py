@@ -383,10 +383,12 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
                        "engine='static' for use_cache=False or return_logits=True")
     bounded.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
     return scheduler.generate(
-        model, prompts, max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, top_k=top_k,
-        eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, decode_slots=decode_slots or max_rows_per_device,
-        chunk_steps=decode_chunk_steps, prefill_rows_per_device=prefill_rows_per_device,
-        prefill_chunk_tokens=prefill_chunk_tokens, pad_batch_to=pad_batch_to, decode_weights=decode_weights,
+        model, prompts, **_engine_arguments(
+            max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, top_k=top_k,
+            eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, pad_batch_to=pad_batch_to,
+            max_rows_per_device=max_rows_per_device, prefill_rows_per_device=prefill_rows_per_device,
+            prefill_chunk_tokens=prefill_chunk_tokens, decode_slots=decode_slots,
+            decode_chunk_steps=decode_chunk_steps, decode_weights=decode_weights),
         on_rows_done=on_rows_done)
   bounded.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -427,6 +429,31 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   if on_rows_done is not None:
     on_rows_done(np.arange(calls.batch), tokens, lengths)
   return SampleOutput(tokens=tokens, logprobs=logprobs, entropies=entropies, lengths=lengths, logits=logits)
+
+
+
+def prepare(model: nnx.Module, prompts: Sequence[Sequence[int]], *, engine: str = "static", **kwargs: Any) -> bool:
+  """Compiles, or loads from the persistent compilation cache, what `generate(model, prompts, engine=engine,
+  **kwargs)` runs, and samples nothing, where the sampler can: the rollout engine (`scheduler.prepare`). Returns
+  whether it did; the static sampler compiles at its first call."""
+  if engine != "continuous":
+    return False
+  scheduler.prepare(model, prompts, **_engine_arguments(**kwargs))
+  return True
+
+
+def _engine_arguments(*, max_new_tokens: int, rng: Any, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      eos_ids: Sequence[int] = (), pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
+                      pad_batch_to: int = 1, max_rows_per_device: int = 0, prefill_rows_per_device: int = 0,
+                      prefill_chunk_tokens: int = 0, decode_slots: int = 0,
+                      decode_chunk_steps: int = scheduler.DEFAULT_CHUNK_STEPS,
+                      decode_weights: str = "replicated") -> dict:
+  """`generate`'s arguments as the rollout engine (`scheduler.generate`) names them; max_rows_per_device bounds its
+  slots when decode_slots does not."""
+  return dict(max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, top_k=top_k,
+              eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, decode_slots=decode_slots or max_rows_per_device,
+              chunk_steps=decode_chunk_steps, prefill_rows_per_device=prefill_rows_per_device,
+              prefill_chunk_tokens=prefill_chunk_tokens, pad_batch_to=pad_batch_to, decode_weights=decode_weights)
 
 
 def _to_global(mesh: jax.sharding.Mesh, local: np.ndarray, spec: P) -> jax.Array:

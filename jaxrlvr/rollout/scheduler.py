@@ -97,6 +97,35 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
       indices in `prompts`), each row once, while the device decodes the next chunk: reward scoring can overlap
       decoding. The rows of the last chunk come after it, before `generate` returns.
   """
+  run = _start(model, prompts, max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p,
+               top_k=top_k, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, decode_slots=decode_slots,
+               chunk_steps=chunk_steps, prefill_rows_per_device=prefill_rows_per_device,
+               prefill_chunk_tokens=prefill_chunk_tokens, pad_batch_to=pad_batch_to, row_keys=row_keys,
+               decode_weights=decode_weights)
+  run.on_rows_done = on_rows_done
+  run.until_done()
+  if stats is not None:
+    stats.update(run.counters, useful_row_steps=int(run.lengths.sum()))
+  return SampleOutput(tokens=run.tokens, logprobs=run.logprobs, entropies=run.entropies, lengths=run.lengths)
+
+
+def prepare(model: nnx.Module, prompts: Sequence[Sequence[int]], **kwargs: Any) -> None:
+  """Compiles, or loads from the persistent compilation cache, what `generate(model, prompts, **kwargs)` would run,
+  and samples nothing: the programs of its spec and shapes, and its first fill of the slots (run once and thrown
+  away). A later `generate` with prompts of the same count, bucket and distinct prompts per shard then compiles
+  nothing. The trainer prepares its first rollout this way in the background while the step-0 evaluation runs."""
+  run = _start(model, prompts, **kwargs)
+  run.insert()
+  jax.block_until_ready(run.state)
+
+
+def _start(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, rng: Any,
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
+           pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, decode_slots: int = 0,
+           chunk_steps: int = DEFAULT_CHUNK_STEPS, prefill_rows_per_device: int = 0, prefill_chunk_tokens: int = 0,
+           pad_batch_to: int = 1, row_keys: Sequence[int] | None = None,
+           decode_weights: str = "replicated") -> _Run:
+  """A `generate` call's arguments checked, its programs compiled (`_warm_up`), its empty slots: its `_Run`."""
   limits = {"max_rows_per_device": 0, "prefill_rows_per_device": prefill_rows_per_device,
             "prefill_chunk_tokens": prefill_chunk_tokens}
   bounded.check_sampling_args(max_new_tokens, temperature, top_p, top_k, limits)
@@ -146,14 +175,9 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     fns.warmed.add((num_slots, unique_cap, refill_prompts))
   state = fns.init(params, num_slots, controls)
 
-  run = _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
-             bucket=bucket, max_new_tokens=n, chunk_steps=spec.chunk_steps, segments=spec.segments,
-             bounded=bool(prefill_rows_per_device), sizes=sizes)
-  run.on_rows_done = on_rows_done
-  run.until_done()
-  if stats is not None:
-    stats.update(run.counters, useful_row_steps=int(run.lengths.sum()))
-  return SampleOutput(tokens=run.tokens, logprobs=run.logprobs, entropies=run.entropies, lengths=run.lengths)
+  return _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
+              bucket=bucket, max_new_tokens=n, chunk_steps=spec.chunk_steps, segments=spec.segments,
+              bounded=bool(prefill_rows_per_device), sizes=sizes)
 
 
 def _put_replicated(mesh: Any, x: Any) -> Any:
