@@ -12,9 +12,10 @@ goes to the jitted function, which compiles for it as usual (the result is the s
 differs). The first such call is logged, since it means the compile ahead was wasted. A process that ends before the
 first call waits for the compile to finish as it exits.
 
-`in_background` queues other work behind those compiles: the trainer prepares its first rollout's sampler programs
-there (`rollout.prepare_sampling`), which a second run of the smollm2-135m preset otherwise traced and loaded inside
-its first step (~5 s).
+`in_background` runs other work in a second thread, beside those compiles: the trainer prepares its first
+rollout's sampler programs there (`rollout.prepare_sampling`), which a second run of the smollm2-135m preset
+otherwise traced and loaded inside its first step (~5 s). Beside, not after: the first rollout waits for them, and
+behind the update's compile (8-20 s to load on 2 cores) they would hold it up when the step-0 evaluation is short.
 """
 import concurrent.futures
 from typing import Any, Callable
@@ -22,8 +23,9 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
-# One compile at a time: on a small machine the rollout needs the other cores.
+# One compile at a time: on a small machine the rollout needs the other cores. `in_background` has its own thread.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile_ahead")
+_OTHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="in_background")
 
 
 def signature(args: Any) -> tuple:
@@ -53,6 +55,5 @@ class Ahead:
 
 
 def in_background(fn: Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-  """`fn(*args, **kwargs)` in the compile-ahead thread, after the compiles started before it (the trainer prepares
-  its first rollout's sampler programs this way, `rollout.prepare_sampling`)."""
-  return _POOL.submit(fn, *args, **kwargs)
+  """`fn(*args, **kwargs)` in a thread of its own kind (one at a time), beside `Ahead`'s compiles."""
+  return _OTHER.submit(fn, *args, **kwargs)

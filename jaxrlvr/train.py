@@ -215,10 +215,10 @@ class Trainer:
       self._update = compile_ahead.Ahead(self._update, self.state, batch, name="update")
 
   def prepare_first_rollout(self) -> None:
-    """Starts compiling, or loading from the persistent cache, what the first rollout's sampler runs, in the
-    compile-ahead thread after the first update (compile_ahead.py), so that it overlaps the step-0 evaluation; the
-    first `sample` waits for it. Its prompts are the next fresh questions' (drawn from a copy of the iterator):
-    their number and length fix the programs' shapes. The rollout engine only (`rollout.prepare_sampling`)."""
+    """Starts compiling, or loading from the persistent cache, what the first rollout's sampler runs, in a thread
+    beside the first update's compile (compile_ahead.py), so that it overlaps the step-0 evaluation; the first
+    `sample` waits for it. Its prompts are the next fresh questions' (drawn from a copy of the iterator): their number
+    and length fix the programs' shapes. The rollout engine only (`rollout.prepare_sampling`)."""
     if self.sampler.engine == "static":
       return
     group = self.config.rollout.group_size
@@ -283,7 +283,7 @@ class Trainer:
   def sample(self, plan: replay.Plan, step: int, rng) -> tuple[list, dict]:
     """The plan's rollouts sampled (each at its policy delay) and rewarded: (sampled groups, rollout metrics)."""
     if self._first_rollout is not None:
-      self._first_rollout.result()  # compiled or loaded ahead; raises what the preparation raised
+      self._first_rollout.result()  # prepared (or nearly) beside the step-0 evaluation; raises what it raised
       self._first_rollout = None
     history, params = self.history, self.state.params
     policy_at = lambda delay: self.policy(history[min(delay, len(history)) - 1] if delay and history else params)
