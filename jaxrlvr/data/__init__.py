@@ -29,5 +29,5 @@ from jaxrlvr.data.types import Source
 
 __all__ = ["ArithmeticSource", "DataError", "Example", "ListSource", "QuestionIterator", "Source", "Subset",
            "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "encode", "format_prompt",
-           "hold_out", "load_tokenizer", "make_source", "rows_without_solution", "sources_from_config", "stop_token_ids",
-           "tokenizer_from_config", "warm_start_pairs", "warm_start_texts"]
+           "hold_out", "load_tokenizer", "make_source", "rows_without_solution", "sources_from_config",
+           "stop_token_ids", "tokenizer_from_config", "warm_start_pairs", "warm_start_texts"]

@@ -431,7 +431,6 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   return SampleOutput(tokens=tokens, logprobs=logprobs, entropies=entropies, lengths=lengths, logits=logits)
 
 
-
 def prepare(model: nnx.Module, prompts: Sequence[Sequence[int]], *, engine: str = "static", **kwargs: Any) -> bool:
   """Compiles, or loads from the persistent compilation cache, what `generate(model, prompts, engine=engine,
   **kwargs)` runs, and samples nothing, where the sampler can: the rollout engine (`scheduler.prepare`). Returns
