@@ -167,13 +167,33 @@ def test_sigint_exits_130_and_a_second_signal_ends_the_save_at_once(tmp_path):
 
 
 @pytest.mark.slow
+def _limited_after_the_first_checkpoint(workdir):
+  """The run started and, once its checkpoint of step 2 is written, limited so that the kernel refuses to grow any of
+  its files past 1 MB: the next checkpoint (5 MB of arrays) fails half-written, while metrics.jsonl and the summary
+  figure stay below the limit. The run is stopped (SIGSTOP) while the limit is set; if it had already finished the
+  checkpoint of step 4 by then (its steps take ~0.2 s, and this process may wait that long for a core), it is
+  killed and started again, at most 3 times."""
+  directory = os.path.join(workdir, "checkpoints")
+  for _ in range(3):
+    shutil.rmtree(workdir, ignore_errors=True)
+    proc = _start(workdir)
+    _wait_for(lambda: os.path.isdir(os.path.join(directory, "2")), proc, "the checkpoint of step 2")
+    os.kill(proc.pid, signal.SIGSTOP)
+    with open(f"/proc/{proc.pid}/stat", encoding="utf-8") as f:
+      while f.read().rsplit(")", 1)[1].split()[0] != "T":  # the state field: stopped
+        f.seek(0)
+    if not os.path.isdir(os.path.join(directory, "4")):
+      resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+      os.kill(proc.pid, signal.SIGCONT)
+      return proc
+    proc.kill()
+    proc.communicate()
+  pytest.fail("the run wrote its checkpoint of step 4 before the test could limit it, 3 times")
+
+
 def test_a_checkpoint_the_disk_refuses_stops_the_run_and_keeps_the_previous_one(tmp_path, reference):
   workdir = str(tmp_path / "run")
-  proc = _start(workdir)
-  _wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "2")), proc, "the checkpoint of step 2")
-  # From now on the kernel refuses to grow any file of the run past 1 MB: the next checkpoint (5 MB of arrays)
-  # fails half-written, while metrics.jsonl and the summary figure stay below the limit.
-  resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+  proc = _limited_after_the_first_checkpoint(workdir)
   _, stderr = proc.communicate(timeout=_TIMEOUT_S)
   assert proc.returncode == 2, stderr[-4000:]
   directory = os.path.join(workdir, "checkpoints")
