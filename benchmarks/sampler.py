@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 import sampler_long_tail
-from jaxrlvr import parallel, rollout
+from jaxrlvr import parallel, rollout, xla_cpu
 from jaxrlvr.models import ModelConfig, Transformer, get_preset, load_pretrained, save_pretrained
 from jaxrlvr.rollout import scheduler
 
@@ -317,7 +317,11 @@ def main() -> None:
   args = parser.parse_args()
   args.repeats = args.repeats or (3 if args.workload == "long_tail" else 5)
 
-  jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts a backend
+  # The CPU client's thread pool sized for these devices (jaxrlvr/xla_cpu.py), then the devices themselves; both
+  # before anything starts a backend.
+  os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
+  xla_cpu.setup_process()
+  jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   if args.workload == "long_tail":
     sampler_long_tail.run(args)
     return

@@ -27,8 +27,9 @@ import light_compile  # pylint: disable=g-import-not-at-top,wrong-import-positio
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {light_compile.FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 devices on 2 cores would give XLA:CPU a pool of 8 threads, too few for an all-reduce over 8 devices once steps are
-# queued ahead (a deadlock, then an abort after 40 s; see jaxrlvr/xla_cpu.py). Set before any test starts JAX, and
-# inherited by the jobs tests run in subprocesses.
+# queued ahead (a deadlock, then an abort after 40 s; see jaxrlvr/xla_cpu.py). Set before any test starts JAX; see
+# pytest_configure for the jobs tests start.
+_POOL_CHOSEN_BY_USER = "PJRT_NPROC" in os.environ
 xla_cpu.setup_process()  # and on the CPU, a malloc that keeps freed memory, as the main job has
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -36,6 +37,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the same for every method, and a cache entry is written atomically, so parallel workers can share it.
 os.environ.setdefault("JAXRLVR_WARM_START_CACHE",
                       os.path.join(tempfile.gettempdir(), f"jaxrlvr-test-warm-start-{os.getuid()}"))
+
+
+def pytest_configure(config):
+  """A process that runs tests starts its CPU client with the pool sized above; then the pool size leaves the
+  environment, so the jobs tests start size their own for their devices, as a user's do (`main` calls
+  `xla_cpu.setup_process`). Inherited, the 16 threads for this process's 8 devices made a one-device job on 2 cores
+  up to 1.5x slower (the smoke warm start's steps: 290-340 ms against 190-260). The xdist controller runs no test and
+  starts no client; its workers size their own pools."""
+  if _POOL_CHOSEN_BY_USER:
+    return
+  if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.devices()  # the client reads PJRT_NPROC now, once
+  os.environ.pop("PJRT_NPROC", None)
 
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
