@@ -64,12 +64,12 @@ def export_hf(model: models.Transformer, model_config: models.ModelConfig, token
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # every process stops, before any collective
     raise ExportError(f"export to {out_dir}: it exists and is not a directory; move it or choose another --out")
-  staging = None
-  if multihost.is_main():
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}-", dir=os.path.dirname(out_dir))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the export from other users
+  staging, refused = None, None
   try:
+    if multihost.is_main():
+      os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+      staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}-", dir=os.path.dirname(out_dir))
+      os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the export from other users
     # The other processes write nothing; the path they pass is never opened.
     models.save_pretrained(model, model_config, staging or out_dir, dtype=dtype)
     if staging:
@@ -78,9 +78,15 @@ def export_hf(model: models.Transformer, model_config: models.ModelConfig, token
       GenerationConfig(eos_token_id=data_lib.stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
                        **({} if bos is None else {"bos_token_id": bos})).save_pretrained(staging)
       _replace_dir(staging, out_dir)
+  except OSError as e:  # the disk is full, a file too large, a directory read-only: process 0's, said once below
+    refused = f"{e.strerror or e}, errno {e.errno}" if e.errno else str(e)
   finally:
     if staging:
       shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful swap
+  # Every process learns whether process 0 wrote it, so none waits at the barrier for a writer that stopped.
+  if multihost.broadcast_flag(refused is not None):
+    raise ExportError(f"cannot write the export {out_dir} ({refused or 'process 0 could not write it'}); an earlier "
+                      "export there, if any, is unchanged")
   multihost.barrier(f"export {out_dir}")
   logging.info("exported the policy (%s) to %s", model_config.model_type, out_dir)
   return out_dir

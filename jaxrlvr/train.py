@@ -114,7 +114,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   signals.restore()
 
   gc.unfreeze()
-  trainer.export()  # after the final checkpoint: a run killed here restarts as finished and writes the export then
+  trainer.export(config.total_steps)  # after the final checkpoint: a run killed here restarts as finished, exports then
   writer.close()
   trainer.reward_pool.close()
   checkpointer.close()
@@ -254,9 +254,16 @@ class Trainer:
                            {"replay": self.strategy.state_dict(), "data": self.questions.state_dict()},
                            {"step": step, "config": self.config.to_dict(), "history_len": len(hist)})
 
-  def export(self) -> None:
-    export_lib.export_hf(self.policy(self.state.params), self.model_config, self.data.tokenizer,
-                         os.path.join(self.workdir, export_lib.FINAL_DIR), dtype=export_lib.run_dtype(self.config))
+  def export(self, step: int) -> None:
+    """DIR/hf from the policy of `step`, whose checkpoint is written: one the disk refuses says how to export it
+    later."""
+    try:
+      export_lib.export_hf(self.policy(self.state.params), self.model_config, self.data.tokenizer,
+                           os.path.join(self.workdir, export_lib.FINAL_DIR), dtype=export_lib.run_dtype(self.config))
+    except export_lib.ExportError as e:
+      raise export_lib.ExportError(
+          f"{e}. The run's checkpoint of step {step} is kept: once there is room, the same command writes the "
+          f"missing export (or python -m jaxrlvr.export --workdir={self.workdir})") from e
 
   def policy(self, params):
     return nnx.merge(self.graphdef, params)

@@ -207,6 +207,46 @@ def test_a_checkpoint_the_disk_refuses_stops_the_run_and_keeps_the_previous_one(
   assert _by_step(workdir) == _by_step(reference)
 
 
+def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(tmp_path, reference):
+  """`python -m jaxrlvr.export` of the reference run under a 1 MB file-size limit: its model.safetensors (4 MB) fails
+  with EFBIG. One line, exit 2; no export and no staging directory left; the run's export (DIR/hf) untouched."""
+  out = tmp_path / "export"
+  before = os.listdir(reference)
+  limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY));"
+             " sys.argv[0] = 'export'; runpy.run_module('jaxrlvr.export', run_name='__main__')")
+  result = subprocess.run([sys.executable, "-c", limited, f"--workdir={reference}", f"--out={out}"],
+                          cwd=_REPO, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
+  assert result.returncode == 2, result.stderr[-4000:]
+  assert "Traceback" not in result.stderr, result.stderr[-4000:]
+  line = result.stderr.strip().splitlines()[-1]
+  assert line == (f"jaxrlvr.export: cannot write the export {out} (File too large, errno 27); an earlier export "
+                  "there, if any, is unchanged"), line
+  assert os.listdir(tmp_path) == [] and os.listdir(reference) == before
+
+
+def test_a_refused_export_at_the_end_of_a_run_says_how_to_write_it_later(monkeypatch, tmp_path):
+  """The run's own export (`train.Trainer.export`, after the final checkpoint) adds what is kept and what writes it."""
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import export as export_lib  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import train  # pylint: disable=g-import-not-at-top
+
+  def refuse(model, model_config, tokenizer, out_dir, *, dtype=None):  # as export_hf says a refused write
+    del model, model_config, tokenizer, dtype
+    raise export_lib.ExportError(f"cannot write the export {out_dir} (No space left on device, errno 28); an earlier "
+                                 "export there, if any, is unchanged")
+
+  monkeypatch.setattr(export_lib, "export_hf", refuse)
+  trainer = types.SimpleNamespace(policy=lambda params: None, state=types.SimpleNamespace(params=None),
+                                  model_config=None, data=types.SimpleNamespace(tokenizer=None), workdir=str(tmp_path),
+                                  config=types.SimpleNamespace(model=types.SimpleNamespace(path="")))
+  with pytest.raises(export_lib.ExportError) as raised:
+    train.Trainer.export(trainer, 40)
+  assert str(raised.value) == (
+      f"cannot write the export {tmp_path / 'hf'} (No space left on device, errno 28); an earlier export there, if "
+      "any, is unchanged. The run's checkpoint of step 40 is kept: once there is room, the same command writes the "
+      f"missing export (or python -m jaxrlvr.export --workdir={tmp_path})")
+
+
 @pytest.mark.slow
 def test_an_unreadable_latest_checkpoint_is_set_aside_and_the_one_before_resumes(tmp_path, reference):
   workdir = str(tmp_path / "run")

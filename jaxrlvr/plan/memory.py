@@ -245,6 +245,8 @@ def weights(w: Workload, mesh: Any, mesh_kind: str) -> dict[str, int]:
       "params": sum(local[path] * nbytes for path, _, _, nbytes in table),
       # engine.decode_layout: every parameter with the batch axes dropped, in the compute dtype
       "decode_copy": sum(full.values()) * w.compute_bytes,
+      # engine.heads_minor_o_proj: every layer's o_proj once more, as the decode reads it, in the compute dtype
+      "o_proj_copy": m.num_layers * full["layers.0.attn.o_proj"] * w.compute_bytes,
       "layer": sum(n for path, n in local.items() if path.startswith("layers.0.")) * p,
       "layer_full": sum(n for path, n in full.items() if path.startswith("layers.0.")) * p,
       "unembed_full": full["embed" if m.tie_embeddings else "lm_head"] * p,
@@ -366,6 +368,8 @@ def decode_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
   # One token a row: the attention over all slots (the engine's over the segments its rows reach, at most all) and
   # the sampler's [r, V] f32 softmax, cumsum and their kin.
   out["activations"] = attention_bytes(w, r, 1, w.seq_len, backward=False) + 4 * r * m.vocab_size * 4
+  if w.engine:
+    out["o_proj_copy"] = wt["o_proj_copy"]
   return {**out, **_sampler_weights(w, wt, layers=m.num_layers)}
 
 

@@ -39,7 +39,9 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   chunks hand their tokens to the host); its prefill holds the prompts' own cache (L x 2 x U x P x K x H x c,
   U = `prefill_rows_per_device` or r distinct prompts) beside one layer's forward over P; with
   `decode_weights="replicated"` both phases read a copy of every parameter with the batch axes dropped, in c
-  (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident. Both are checked against XLA (the
+  (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident. Its decode also holds every
+  layer's o_proj once more, transposed to the order its dot sums in (L x N x H x D x c over 'tensor'). Both are
+  checked against XLA (the
   insert's prompt forward is planned as the static prefill's, which XLA:CPU compiles into ~1.3 GB less at 7B
   width: the plan is 11-19% high there).
 - Sampler call (`rollout.generate`; a step's B x K rollouts in calls of r = min(rows a device,
@@ -170,6 +172,8 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
       _row("gathered weights (decode: every layer)", mem["decode.gathered"]),
       *([_row("decode copy of the weights (engine.decode_layout)", mem["decode.decode_copy"])]
         if "decode.decode_copy" in mem else []),
+      *([_row("o_proj as the decode reads it (engine.heads_minor_o_proj)", mem["decode.o_proj_copy"])]
+        if "decode.o_proj_copy" in mem else []),
       _row("peak", mem["rollout_peak"]),
       _row(f"PEAK ({_peak_phase(mem)})", mem["peak"], indent=""),
       "",
