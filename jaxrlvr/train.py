@@ -255,8 +255,8 @@ class Trainer:
                            {"step": step, "config": self.config.to_dict(), "history_len": len(hist)})
 
   def export(self, step: int) -> None:
-    """DIR/hf from the policy of `step`, whose checkpoint is written: one the disk refuses says how to export it
-    later."""
+    """Writes DIR/hf from the policy of `step`, whose checkpoint is already written. An export the disk refuses stops
+    the run with what is kept and how to write the export later."""
     try:
       export_lib.export_hf(self.policy(self.state.params), self.model_config, self.data.tokenizer,
                            os.path.join(self.workdir, export_lib.FINAL_DIR), dtype=export_lib.run_dtype(self.config))

@@ -348,14 +348,11 @@ def _write(segments: tuple, bounds: tuple, new: jax.Array, position: jax.Array, 
 
 
 def heads_minor_o_proj(model: Any) -> tuple[jax.Array, ...]:
-  """Each layer's o_proj [N, H, D] as [H, N, D], made once a decode chunk for `_layer_step`.
-
-  Why: `models.transformer` contracts the heads' outputs with o_proj in the order (H, N) (jnp.einsum orders the
-  contracted labels of "BTNH,NHD->BTD" by name), so XLA:CPU lays both operands out that way, and inside the decode
-  loop it copied every layer's o_proj into [H, N, D] at every step: 8.4 ms of a ~110 ms step on the smollm2-135m
-  preset, 40 MB written and read again. Given [H, N, D], the same dot reads it in place and sums in the same order,
-  so a row's numbers do not change. It costs that copy once a chunk and its memory (the planner's `decode o_proj`).
-  """
+  """Each layer's o_proj [N, H, D] as [H, N, D], made once a decode chunk for `_layer_step`. The model sums the
+  heads' outputs in the order (H, N) (jnp.einsum orders the contracted labels of "BTNH,NHD->BTD" by name), and
+  inside the decode loop XLA:CPU copied every o_proj into that layout at every step (8.4 ms of a ~110 ms step on the
+  smollm2-135m preset). Given [H, N, D], the same dot reads it in place and sums in the same order: the same numbers,
+  for one copy a chunk and its memory (`plan/memory.py`'s `o_proj_copy`)."""
   return tuple(jnp.swapaxes(block.attn.o_proj[...], 0, 1) for block in model.layers)
 
 
