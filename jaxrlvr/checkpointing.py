@@ -19,7 +19,6 @@ import glob
 import io
 import json
 import os
-import re
 import shutil
 
 import jax
@@ -178,8 +177,9 @@ class Checkpointer:
           shutil.rmtree(partial, ignore_errors=True)
       kept = ("there is no earlier checkpoint" if previous is None
               else f"the checkpoint of step {previous} is intact and the same command resumes from it")
-      raise CheckpointError(f"cannot write the checkpoint of step {step} in {self.directory} ({_one_line(e)}); {kept} "
-                            "once the directory can be written (free space, permissions)") from e
+      raise CheckpointError(f"cannot write the checkpoint of step {step} in {self.directory} "
+                            f"({faults.error_reason(e)}); {kept} once the directory can be written (free space, "
+                            "permissions)") from e
 
   def restore(self, step: int, abstract_train_state):
     """`abstract_train_state`: a pytree of jax.ShapeDtypeStruct with shardings (jax.eval_shape of the state).
@@ -242,8 +242,8 @@ class Checkpointer:
       if os.path.exists(target):
         target += f".{len(os.listdir(self.unreadable_directory))}"
       shutil.move(os.path.join(self.directory, str(step)), target)
-      message = (f"the checkpoint of step {step} in {self.directory} cannot be read ({_one_line(error)}); moved it "
-                 f"to {target} and resuming from the one before it")
+      message = (f"the checkpoint of step {step} in {self.directory} cannot be read ({faults.error_reason(error)}); "
+                 f"moved it to {target} and resuming from the one before it")
       logging.warning("%s", message)
       print(f"jaxrlvr: {message}", flush=True)
     multihost.barrier(f"checkpoint-set-aside-{step}")
@@ -284,23 +284,6 @@ class Checkpointer:
 
 
 _LENGTH_BYTES = 8  # each host blob row starts with its byte count, little-endian uint64
-
-
-_OS_ERROR = re.compile(r"([A-Za-z][\w ,'-]*?) \[os_error_code='?(\d+)")  # tensorstore's "No space left on device [...]"
-
-
-def _one_line(error) -> str:
-  """The system's reason when there is one ("No space left on device, errno 28"), else `Type: first line` (orbax
-  and tensorstore errors run over many lines)."""
-  if not isinstance(error, BaseException):
-    return str(error)
-  if isinstance(error, OSError) and error.strerror:
-    return f"{error.strerror}, errno {error.errno}"
-  if match := _OS_ERROR.search(str(error)):
-    return f"{match.group(1)}, errno {match.group(2)}"
-  text = str(error).strip().splitlines()
-  first = text[0].split(" See full TensorStore details")[0][:300] if text else ""
-  return f"{type(error).__name__}: {first}".rstrip(": ")
 
 
 def _host_sharding() -> NamedSharding:

@@ -37,6 +37,7 @@ from flax import nnx
 
 from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
+from jaxrlvr import faults
 from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
@@ -79,7 +80,7 @@ def export_hf(model: models.Transformer, model_config: models.ModelConfig, token
                        **({} if bos is None else {"bos_token_id": bos})).save_pretrained(staging)
       _replace_dir(staging, out_dir)
   except OSError as e:  # the disk is full, a file too large, a directory read-only: process 0's, said once below
-    refused = f"{e.strerror or e}, errno {e.errno}" if e.errno else str(e)
+    refused = faults.error_reason(e)
   finally:
     if staging:
       shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful swap

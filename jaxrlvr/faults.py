@@ -27,6 +27,7 @@ Non-finite updates. step.py skips an optimizer step whose gradient norm is not f
 """
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -49,6 +50,23 @@ _EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 128 + signal.SIGINT}  # 130: wh
 class RunError(RuntimeError):
   """A run that cannot go on for a reason outside the code (a disk that refuses the checkpoint, a diverged loss):
   main.py prints it as one `jaxrlvr: error: ...` line and exits 2."""
+
+
+_OS_ERROR = re.compile(r"([A-Za-z][\w ,'-]*?) \[os_error_code='?(\d+)")  # tensorstore's "No space left on device [...]"
+
+
+def error_reason(error) -> str:
+  """The system's reason when there is one ("No space left on device, errno 28"), else `Type: first line` (orbax
+  and tensorstore errors run over many lines)."""
+  if not isinstance(error, BaseException):
+    return str(error)
+  if isinstance(error, OSError) and error.strerror:
+    return f"{error.strerror}, errno {error.errno}"
+  if match := _OS_ERROR.search(str(error)):
+    return f"{match.group(1)}, errno {match.group(2)}"
+  text = str(error).strip().splitlines()
+  first = text[0].split(" See full TensorStore details")[0][:300] if text else ""
+  return f"{type(error).__name__}: {first}".rstrip(": ")
 
 
 class Preempted(SystemExit):
