@@ -130,3 +130,22 @@ def test_preset_rollout_benchmark_times_both_samplers_on_the_same_rows():
   assert list(rows) == ["static", "continuous"], result.stdout
   assert all(len(fields) == 5 and float(fields[0]) > 0 for fields in rows.values()), result.stdout
   assert lines[-1].startswith("rows with the same tokens: 100%;"), result.stdout  # the tiny model: no flipped draw
+
+
+@pytest.mark.slow
+def test_decode_floor_benchmark_reports_every_part_against_the_weights_read():
+  env = _harness_env("--xla_force_host_platform_device_count=1")
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "decode_floor.py"), "--model=tiny", "--rows=4",
+             "--steps=4", "--prompt=8", "--repeats=2"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "tiny: 1.0M float32 weights" in result.stdout and "engine steps from 4 and 8 new tokens" in result.stdout
+  table = result.stdout.splitlines()
+  table = table[next(i for i, line in enumerate(table) if line.startswith("part")) + 1:]
+  rows = {line[:24].strip(): line[24:].split() for line in table}
+  assert list(rows) == ["read", "matmuls", "head", "head, vocabulary-major", "engine step"], result.stdout
+  assert rows["read"][2:] == [rows["read"][2], "-", "1.00"], result.stdout  # the floor is the unit
+  for name, fields in rows.items():  # best ms, median ms, GB/s, GFLOP/s, x read
+    assert len(fields) == 5 and all(re.fullmatch(r"-?[\d.]+|-", f) for f in fields), (name, fields)
+    # The engine's step is a difference of two timings: at toy sizes noise can outweigh it, so only its sign is free.
+    assert name == "engine step" or float(fields[0]) > 0, (name, fields)
