@@ -5,10 +5,8 @@ checkpoint file, a run whose loss turns NaN, a killed math-verify worker, a judg
 asserts what was kept: the checkpoint loads, the resumed metrics equal an uninterrupted run's, the rewards are all
 computed.
 
-The end-to-end runs are ExGRPO's smoke config as the SIGKILL test of tests/test_train.py runs it, on one CPU device,
-so that a test run compiles their programs once for both modules (the XLA compilation cache; with 4 held-out
-questions instead of 16 the first of them compiled its own, ~40 CPU-s); one uninterrupted run per module is the
-reference.
+The end-to-end runs are ExGRPO's smoke config (the SIGKILL test of tests/test_train.py, with 4 held-out questions)
+on one CPU device; one uninterrupted run per module is the reference.
 """
 import glob
 import http.server
@@ -35,12 +33,13 @@ from jaxrlvr.rewards.judge_prompts import JudgeRequest
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 600
+_OVERRIDES = ("--config.data.eval_size=4",)
 _PREEMPTED = re.compile(r"^jaxrlvr: preempted at step (\d+); the same command resumes$", re.M)
 
 
 def _command(workdir, *extra):
   return [sys.executable, "-m", "jaxrlvr.main", "--config=configs/exgrpo.py:smoke", f"--workdir={workdir}",
-          f"--config.warm_start.cache_dir={os.environ['JAXRLVR_WARM_START_CACHE']}", *extra]
+          f"--config.warm_start.cache_dir={os.environ['JAXRLVR_WARM_START_CACHE']}", *_OVERRIDES, *extra]
 
 
 def _env():
