@@ -1,4 +1,5 @@
 """The KV-cache sampler: cache vs recompute, stop tokens, sampling distributions, recompilation, sharding."""
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,35 @@ def test_sample_logits_greedy():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+
+def test_inverse_cdf_draws_the_token_whose_interval_holds_u():
+  """The two-level draw (blocks of tokens, then a token inside one) against a float64 search over the whole
+  cumulative sum, on a vocabulary that is not a whole number of blocks, with runs of zero-probability tokens at the
+  start, the end, inside blocks and across whole blocks; u near 0 and 1 included. Never a zero-probability token;
+  elsewhere the same token unless u * total lies within float32 rounding of an interval's end."""
+  decode = importlib.import_module("jaxrlvr.rollout.decode")  # `rollout.decode` is groups' token decoder
+  rng = np.random.default_rng(0)
+  vocab = 1000  # 3 blocks of 256 and a partial one
+  probs = rng.exponential(size=(6, vocab)).astype(np.float32)
+  probs[:, :20] = 0  # zero runs: at the start,
+  probs[:, 250:530] = 0  # across a whole block,
+  probs[:, 700:705] = 0  # inside one,
+  probs[:, 990:] = 0  # and at the end
+  probs[1] = 0
+  probs[1, [5, 600]] = [0.25, 0.75]  # a row with two tokens
+  probs /= probs.sum(-1, keepdims=True)
+  u = np.concatenate([[0.0, 1e-9, 0.5, 1 - 1e-7, np.nextafter(np.float32(1), np.float32(0))],
+                      rng.uniform(size=395)]).astype(np.float32)  # [U]
+  tokens = np.asarray(jax.jit(jax.vmap(decode._inverse_cdf, in_axes=(None, 0)))(probs, u))  # [U, rows]  pylint: disable=protected-access
+  cdf = np.cumsum(probs.astype(np.float64), axis=-1)  # [rows, V]
+  for row in range(probs.shape[0]):
+    assert np.all(probs[row, tokens[:, row]] > 0), row
+    want = np.minimum(np.searchsorted(cdf[row], u * cdf[row, -1], side="right"), np.flatnonzero(probs[row])[-1])
+    near = np.min(np.abs(cdf[row][None, :] - (u * cdf[row, -1])[:, None]), axis=-1) < 1e-6
+    assert np.all((tokens[:, row] == want) | near), (row, np.flatnonzero((tokens[:, row] != want) & ~near))
+    assert np.sum(near) < 10
+  assert set(tokens[:, 1]) == {5, 600}
+
 # Sharded on the 8 fake devices, and parity with transformers.
 
 

@@ -70,20 +70,41 @@ def sample(logits: jax.Array, uniform: jax.Array, temperature: Any, top_p: Any, 
   return tokens, _take(logp, tokens), _entropy(logp)
 
 
+# Tokens a block of the two-level inverse CDF below: ~sqrt(V) for the vocabularies of the presets (49,152-151,936).
+_CDF_BLOCK = 256
+
+
 def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
   """The token whose cumulative-probability interval holds u * total: probs [..., V], u [...] in [0, 1).
 
   One uniform per row instead of the V Gumbel draws of `jax.random.categorical`: on CPU, generating the random bits
-  cost ~8x the rest of the sampling step at V = 8192. Zero-probability tokens have empty intervals and are never
-  drawn; scaling u by the computed total absorbs the cumsum's rounding.
+  cost ~8x the rest of the sampling step at V = 8192. In two levels: the block of `_CDF_BLOCK` tokens whose interval
+  holds the target, then the token inside that block. A cumulative sum over all V is an associative scan on CPU
+  (log2 V passes over [..., V]): at V = 49,152 and 16 rows it took 4.2 ms against 0.3 ms in two levels, and a whole
+  draw (`sample`) 3.9 ms against 1.6 ms.
+  Zero-probability tokens have empty intervals and are never drawn: each level counts the entries whose cumulative
+  sum is <= the target (a sum of non-negative terms never decreases), and where rounding puts the target at or past
+  a level's total, it takes that level's last entry with probability.
   """
-  cdf = jnp.cumsum(probs, axis=-1)  # [..., V]
-  target = u * cdf[..., -1]
-  tokens = jnp.sum(cdf <= target[..., None], axis=-1)  # the first index whose cdf exceeds the target
-  # u * total can round up to total: fall back to the last token that has probability.
   vocab = probs.shape[-1]
-  last = vocab - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
-  return jnp.minimum(tokens, last).astype(jnp.int32)
+  blocks = -(-vocab // _CDF_BLOCK)
+  padding = [(0, 0)] * (probs.ndim - 1) + [(0, blocks * _CDF_BLOCK - vocab)]
+  tiled = jnp.pad(probs, padding).reshape(*probs.shape[:-1], blocks, _CDF_BLOCK)  # [..., blocks, block]; pad: p = 0
+  block_mass = jnp.sum(tiled, axis=-1)  # [..., blocks]
+  block_cdf = jnp.cumsum(block_mass, axis=-1)
+  target = u * block_cdf[..., -1]
+  block = jnp.minimum(jnp.sum(block_cdf <= target[..., None], axis=-1), _last_positive(block_mass))  # [...]
+  mass_before = jnp.where(block > 0, _take(block_cdf, jnp.maximum(block - 1, 0)), 0.0)  # <= target
+  inside = jnp.take_along_axis(tiled, block[..., None, None], axis=-2)[..., 0, :]  # [..., block]
+  inside_cdf = jnp.cumsum(inside, axis=-1)
+  rest = target - mass_before
+  index = jnp.minimum(jnp.sum(inside_cdf <= rest[..., None], axis=-1), _last_positive(inside))
+  return (block * _CDF_BLOCK + index).astype(jnp.int32)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+  """The index of the last entry > 0 along the last axis of x [..., N] (0 when there is none)."""
+  return x.shape[-1] - 1 - jnp.argmax(jnp.flip(x > 0, axis=-1), axis=-1)
 
 
 def _take(logp: jax.Array, tokens: jax.Array) -> jax.Array:
