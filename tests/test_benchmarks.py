@@ -87,6 +87,20 @@ def test_update_split_benchmark_reports_every_part_against_the_matmul_peak():
     assert len(fields) == 5 and all(float(f) > 0 for f in fields[:2]) and fields[-1].endswith("%"), (name, fields)
 
 
+def test_update_step_benchmark_times_both_mlp_backward_passes_with_the_same_gradient():
+  env = _harness_env()
+  command = [sys.executable, os.path.join(_REPO, "benchmarks", "update_step.py"), "--repeats=1", "--microbatches=2"]
+  result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = result.stdout.splitlines()
+  table = table[next(i for i, line in enumerate(table) if line.startswith("variant")) + 1:]
+  rows = {line[:32].strip(): line[32:].split() for line in table}
+  assert list(rows) == ["autodiff, 2 micro-batches", "hand, 2 micro-batches"], result.stdout
+  best, median, speedup, norm = zip(*rows.values())  # ms, ms, "1.00x", the gradient norm of the first call
+  assert all(float(t) > 0 for t in best + median) and speedup[0] == "1.00x", result.stdout
+  assert abs(float(norm[0]) - float(norm[1])) <= 1e-5 * float(norm[0]), result.stdout
+
+
 @pytest.mark.slow
 def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(tmp_path):
   pytest.importorskip("trl", reason="TRL is the peer: pip install -e '.[peers]' (CI installs it)")
