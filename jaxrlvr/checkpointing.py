@@ -36,8 +36,9 @@ from jaxrlvr import multihost
 # refused. A finished run with nothing left to do refuses every change but total_steps: it would have no effect.
 # Where the process keeps things, not what a run computes: any change is fine, even on a finished run.
 WHERE_ONLY = ("compilation_cache_dir",)
-RESUMABLE_CHANGES = (*WHERE_ONLY, "total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "mesh.",
-                     "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.", "data.eval_size",
+RESUMABLE_CHANGES = (*WHERE_ONLY, "total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "mesh.", "reward.num_workers", "reward.timeout_s", "warm_start.cache_dir", "eval.",
+                     "data.eval_size",
                      # when a diverged run stops, or what a judge that is down does; not what a step computes
                      "optim.max_nonfinite_steps", "exprl.judge.on_failure",
                      # how memory is spent, not what is computed: a run that ran out of memory resumes with other
