@@ -87,6 +87,7 @@ def test_update_split_benchmark_reports_every_part_against_the_matmul_peak():
     assert len(fields) == 5 and all(float(f) > 0 for f in fields[:2]) and fields[-1].endswith("%"), (name, fields)
 
 
+@pytest.mark.slow
 def test_update_step_benchmark_times_both_mlp_backward_passes_with_the_same_gradient():
   env = _harness_env()
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "update_step.py"), "--repeats=1", "--microbatches=2"]

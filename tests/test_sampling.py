@@ -195,8 +195,6 @@ def test_sample_logits_greedy():
   np.testing.assert_allclose(entropies[0], -np.sum(p * np.log(p)), atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-
 def test_inverse_cdf_draws_the_token_whose_interval_holds_u():
   """The two-level draw (blocks of tokens, then a token inside one) against a float64 search over the whole
   cumulative sum, on a vocabulary that is not a whole number of blocks, with runs of zero-probability tokens at the
@@ -215,7 +213,8 @@ def test_inverse_cdf_draws_the_token_whose_interval_holds_u():
   probs /= probs.sum(-1, keepdims=True)
   u = np.concatenate([[0.0, 1e-9, 0.5, 1 - 1e-7, np.nextafter(np.float32(1), np.float32(0))],
                       rng.uniform(size=395)]).astype(np.float32)  # [U]
-  tokens = np.asarray(jax.jit(jax.vmap(decode._inverse_cdf, in_axes=(None, 0)))(probs, u))  # [U, rows]  pylint: disable=protected-access
+  draw = jax.vmap(decode._inverse_cdf, in_axes=(None, 0))  # pylint: disable=protected-access
+  tokens = np.asarray(jax.jit(draw)(probs, u))  # [U, rows]
   cdf = np.cumsum(probs.astype(np.float64), axis=-1)  # [rows, V]
   for row in range(probs.shape[0]):
     assert np.all(probs[row, tokens[:, row]] > 0), row
@@ -225,6 +224,8 @@ def test_inverse_cdf_draws_the_token_whose_interval_holds_u():
     assert np.sum(near) < 10
   assert set(tokens[:, 1]) == {5, 600}
 
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Sharded on the 8 fake devices, and parity with transformers.
 
 
