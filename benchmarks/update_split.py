@@ -13,7 +13,8 @@ of `rows` full-length rows, it times, round-robin after one warm-up call each:
   - score: the scoring pass the loop runs before it for the old log-probs (`step.make_score_fn`);
   - body forward, body forward+backward: the decoder stack alone (`model.hidden`), a sum of squares as the loss;
   - head forward+backward: the log-prob and entropy head alone (`scoring.chunked_logprobs`) on fixed hidden states
-    of the completion positions, the ones the update scores.
+    of the completion positions, the ones the update scores, its logits kept or computed again in the backward
+    pass as the update's are (`train.keep_logits_mb`).
 Each is reported as its best call (median), the FLOPs it must do (2 x parameters x tokens per matmul pass, plus
 attention's score and value products; a backward pass is twice a forward), and that as a share of the matmul
 throughput. The share says how far each part is from what this CPU can do.
@@ -136,10 +137,15 @@ def main():
   hidden = jnp.asarray(np.random.RandomState(1).randn(args.rows, args.completion, model_config.hidden_size),
                        jnp.float32)
 
+  # As the update computes it: its logits kept for the backward pass where they fit train.keep_logits_mb.
+  keep_logits = scoring.logits_kept(args.rows // config.train.num_microbatches, args.completion,
+                                    model_config.vocab_size, config.train.keep_logits_mb)
+
   def head_loss(p, h):
     logp, entropy = scoring.chunked_logprobs(h, nnx.merge(graphdef, p).unembedding(), ids[:, -args.completion:],
                                              chunk_size=scoring.DEFAULT_CHUNK_SIZE,
-                                             vocab_chunk_size=scoring.DEFAULT_VOCAB_CHUNK_SIZE)
+                                             vocab_chunk_size=scoring.DEFAULT_VOCAB_CHUNK_SIZE,
+                                             keep_logits=keep_logits)
     return jnp.sum(logp) + jnp.sum(entropy)
 
   square = jnp.ones((_MATMUL, _MATMUL), jnp.float32)

@@ -6,7 +6,10 @@ sequence, so the final projection is done in chunks: a `lax.map` over sequence c
 inside each a `lax.scan` over vocabulary chunks with an online log-sum-exp. The backward pass is written out
 (`_head_bwd`, a custom VJP): it keeps only log Z and the mean logit per position from the forward pass and computes
 each logits block once more, where remat with autodiff computed it twice more and stored the softmax. Peak logits
-memory is [B, chunk_size, vocab_chunk_size] (forward and backward).
+memory is [B, chunk_size, vocab_chunk_size] (forward and backward). Where the whole [B, T, V] logits are small (the
+update's `train.keep_logits_mb`, `logits_kept`), `keep_logits=True` computes them in one product and keeps them for
+the backward pass instead: one vocabulary-wide product fewer (the smollm2-135m preset's update: 1.30 -> 1.03 s in
+the head, docs/benchmarks.md).
 
 Definitions (match `jaxrlvr.rollout.generate` at temperature T with no top-k / top-p):
   logprobs[:, t] = log softmax(logits_{t-1} / T)[input_ids[:, t]],  entropies[:, t] = entropy of that distribution,
@@ -28,14 +31,16 @@ DEFAULT_VOCAB_CHUNK_SIZE = 32768
 
 def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
           vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE, temperature: float = 1.0,
-          positions: jax.Array | None = None, last: int | None = None) -> tuple[jax.Array, jax.Array]:
+          positions: jax.Array | None = None, last: int | None = None,
+          keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
   """Teacher-forced (logprobs [B, T], entropies [B, T]) float32 of `input_ids` [B, T] under `model`; with `last`,
   those of the last `last` positions only ([B, last] each): the vocabulary-wide head then runs on those positions
   alone, which is all an update over completions needs (on the smollm2-135m preset's 64 + 64 tokens, half of it).
 
   Pure and differentiable w.r.t. the model's parameters; call it inside your own jit (see `score_jit` for a jitted
   wrapper). `attention_mask` [B, T] marks real tokens (left padding before the prompt, right padding after the
-  answer); RoPE positions default to the model's cumsum(mask) - 1, which is what the sampler uses.
+  answer); RoPE positions default to the model's cumsum(mask) - 1, which is what the sampler uses. `keep_logits`:
+  see `chunked_logprobs`.
 
   Under a mesh the batch stays sharded over ('data', 'fsdp') through the chunks. When the vocabulary is sharded
   over 'tensor', slicing it into chunks makes XLA gather the unembedding; there each device already holds only
@@ -57,8 +62,8 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
   start = length - scored
   first = max(start, 1)
   logp, ent = chunked_logprobs(hidden[:, first - 1:length - 1], model.unembedding(), input_ids[:, first:],
-                               chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
-                               temperature=temperature)  # [B, T - first] each
+                               chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, temperature=temperature,
+                               keep_logits=keep_logits)  # [B, T - first] each
   if first > start:
     zero = jnp.zeros((batch, 1), jnp.float32)
     logp, ent = jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
@@ -69,7 +74,7 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
 def score_shared_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *, group_size: int,
                          prompt_len: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
                          vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
-                         temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                         temperature: float = 1.0, keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
   """`score(model, input_ids, attention_mask, last=S - prompt_len)` for rows whose prompts come in groups: every
   block of `group_size` consecutive rows shares its first `prompt_len` columns (ids and mask), as a GRPO group's
   samples share their question. Each prompt runs through the model once and its keys and values serve all the
@@ -100,18 +105,24 @@ def score_shared_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask
   last_prompt = jnp.repeat(prompt_hidden[:, -1:], group_size, axis=0)  # [R, 1, D]
   hidden = jnp.concatenate([last_prompt, completion_hidden[:, :-1]], axis=1)  # [R, T, D]
   logp, ent = chunked_logprobs(hidden, model.unembedding(), completion_ids, chunk_size=chunk_size,
-                               vocab_chunk_size=vocab_chunk_size, temperature=temperature)  # [R, T] each
+                               vocab_chunk_size=vocab_chunk_size, temperature=temperature,
+                               keep_logits=keep_logits)  # [R, T] each
   keep = attention_mask[:, prompt_len:].astype(bool)
   return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
 
 
 def chunked_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, chunk_size: int,
-                     vocab_chunk_size: int, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                     vocab_chunk_size: int, temperature: float = 1.0,
+                     keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
   """log softmax(hidden @ unembedding / T)[targets] and the entropy, per position: [B, T] each, float32.
 
   hidden [B, T, D], unembedding [D, V], targets [B, T] int. Sequence chunks of `chunk_size` (T is padded up to a
-  multiple), vocabulary chunks of about `vocab_chunk_size` (see `_vocab_chunks`).
+  multiple), vocabulary chunks of about `vocab_chunk_size` (see `_vocab_chunks`). With `keep_logits`, no chunks: the
+  [B, T, V] float32 logits in one product, kept for the backward pass (`_head_kept`); only where they fit
+  (`logits_kept`). The same values up to float rounding.
   """
+  if keep_logits:
+    return _head_kept(hidden, unembedding, targets, float(temperature))
   batch, length, width = hidden.shape
   chunk = min(chunk_size, length)
   num_chunks = -(-length // chunk)
@@ -212,8 +223,8 @@ def _head_fwd(hidden, unembedding, targets, vocab_chunk_size, temperature):
 
 
 def _head_bwd(vocab_chunk_size, temperature, residuals, cotangents):
-  """Per vocabulary chunk, logits recomputed once: with p = softmax(l) and l = hidden . w / T,
-  d logp / d l = onehot(target) - p and d H / d l = -p (l - E[l]); then d hidden and that chunk's d w."""
+  """Per vocabulary chunk, its logits computed once more, their cotangent (`_logits_cotangent`), then d hidden and
+  that chunk's d w."""
   hidden, unembedding, targets, log_z, mean_logit = residuals
   d_logp, d_entropy = cotangents  # [B, C] each
   num_chunks, chunk = _vocab_chunks(unembedding.shape[1], vocab_chunk_size)
@@ -224,11 +235,8 @@ def _head_bwd(vocab_chunk_size, temperature, residuals, cotangents):
     d_hidden, d_unembedding = carry
     w, column, bias = _vocab_slice(unembedding, index, chunk)
     logits = jnp.einsum("bcd,dv->bcv", hidden_c, w, preferred_element_type=jnp.float32) * inv_t + bias  # [B, C, Vc]
-    p = jnp.exp(logits - log_z[..., None])  # 0 on masked columns
     hit = column == targets[..., None]
-    d_logits = (d_logp[..., None] * (hit.astype(jnp.float32) - p)
-                - d_entropy[..., None] * p * (logits - mean_logit[..., None])) * inv_t  # d (hidden . w), [B, C, Vc]
-    d_logits = d_logits.astype(w.dtype)
+    d_logits = _logits_cotangent(logits, hit, log_z, mean_logit, d_logp, d_entropy, inv_t).astype(w.dtype)
     d_hidden = d_hidden + jnp.einsum("bcv,dv->bcd", d_logits, w, preferred_element_type=jnp.float32)
     d_w = jnp.einsum("bcd,bcv->dv", hidden_c, d_logits, preferred_element_type=jnp.float32)  # [D, Vc]
     # The overlap columns of the last chunk got zero d_logits above, so adding the whole slice is exact.
@@ -243,6 +251,54 @@ def _head_bwd(vocab_chunk_size, temperature, residuals, cotangents):
 
 
 _head.defvjp(_head_fwd, _head_bwd)
+
+
+def _logits_cotangent(logits, hit, log_z, mean_logit, d_logp, d_entropy, inv_t) -> jax.Array:
+  """d (hidden . w) [B, C, Vc] from the cotangents [B, C] of the log-prob and the entropy: with p = softmax(l) and
+  l = hidden . w / T, d logp / d l = onehot(target) - p and d H / d l = -p (l - E[l]). `hit` marks each position's
+  target column; p is 0 on masked columns."""
+  p = jnp.exp(logits - log_z[..., None])
+  return (d_logp[..., None] * (hit.astype(jnp.float32) - p)
+          - d_entropy[..., None] * p * (logits - mean_logit[..., None])) * inv_t
+
+
+def logits_kept(rows: int, positions: int, vocab: int, budget_mb: float) -> bool:
+  """Whether the update's head keeps its logits for the backward pass (`chunked_logprobs(keep_logits=True)`):
+  when [rows, positions, vocab] float32, one device's micro-batch, takes at most `budget_mb` MB."""
+  return rows * positions * vocab * 4 <= budget_mb * 2**20
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _head_kept(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array,
+               temperature: float) -> tuple[jax.Array, jax.Array]:
+  """(logprobs, entropies) [B, T] of hidden [B, T, D] against unembedding [D, V] from the whole [B, T, V] float32
+  logits, which the backward pass reuses: one vocabulary-wide product fewer than `_head`, at B x T x V x 4 bytes."""
+  return _head_kept_fwd(hidden, unembedding, targets, temperature)[0]
+
+
+def _head_kept_fwd(hidden, unembedding, targets, temperature):
+  inv_t = jnp.float32(1.0 / temperature)
+  logits = jnp.einsum("btd,dv->btv", hidden.astype(unembedding.dtype), unembedding,
+                      preferred_element_type=jnp.float32) * inv_t  # [B, T, V]
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+  mean_logit = jnp.sum(jnp.exp(logits - log_z[..., None]) * logits, axis=-1)  # E[l], [B, T]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+  return (target_logit - log_z, log_z - mean_logit), (hidden, unembedding, targets, logits, log_z, mean_logit)
+
+
+def _head_kept_bwd(temperature, residuals, cotangents):
+  hidden, unembedding, targets, logits, log_z, mean_logit = residuals
+  d_logp, d_entropy = cotangents  # [B, T] each
+  hit = jnp.arange(unembedding.shape[1]) == targets[..., None]  # [B, T, V]
+  d_logits = _logits_cotangent(logits, hit, log_z, mean_logit, d_logp, d_entropy,
+                               jnp.float32(1.0 / temperature)).astype(unembedding.dtype)  # [B, T, V]
+  d_hidden = jnp.einsum("btv,dv->btd", d_logits, unembedding, preferred_element_type=jnp.float32)
+  d_unembedding = jnp.einsum("btd,btv->dv", hidden.astype(unembedding.dtype), d_logits,
+                             preferred_element_type=jnp.float32)
+  return d_hidden.astype(hidden.dtype), d_unembedding.astype(unembedding.dtype), None
+
+
+_head_kept.defvjp(_head_kept_fwd, _head_kept_bwd)
 
 
 @functools.lru_cache(maxsize=32)

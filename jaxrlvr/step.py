@@ -86,16 +86,20 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                      optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
 
-def completion_logprobs(model, batch: dict, temperature: float, prompt_group: int = 1):
+def completion_logprobs(model, batch: dict, temperature: float, prompt_group: int = 1, *, keep_logits_mb: float = 0.0,
+                        batch_shards: int = 1):
   """Teacher-forced log-probs and entropies of the completion tokens: ([R, T], [R, T]). With `prompt_group` K > 1
-  every K consecutive rows share their prompt, which then runs through the model once for the K of them."""
-  completion_len = batch["completion_mask"].shape[1]
+  every K consecutive rows share their prompt, which then runs through the model once for the K of them.
+  `keep_logits_mb` (the update's `train.keep_logits_mb`): the head keeps its logits for the backward pass where one
+  device's [R / batch_shards, T, V] float32 take at most that (`scoring.logits_kept`)."""
+  rows, completion_len = batch["completion_mask"].shape
+  keep_logits = scoring.logits_kept(rows // batch_shards, completion_len, model.config.vocab_size, keep_logits_mb)
   if prompt_group > 1:
     return scoring.score_shared_prompts(model, batch["input_ids"], batch["attention_mask"], group_size=prompt_group,
                                         prompt_len=batch["input_ids"].shape[1] - completion_len,
-                                        temperature=temperature)
+                                        temperature=temperature, keep_logits=keep_logits)
   return scoring.score(model, batch["input_ids"], batch["attention_mask"], temperature=temperature,
-                       last=completion_len)
+                       last=completion_len, keep_logits=keep_logits)
 
 
 def ratio_baseline(micro: dict, settings: objectives.LossSettings) -> jax.Array:
@@ -119,11 +123,13 @@ def token_losses(logp: jax.Array, micro: dict, settings: objectives.LossSettings
 
 
 def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives.LossSettings,
-                 temperature: float, reference_blocks: dict, prompt_group: int):
+                 temperature: float, reference_blocks: dict, prompt_group: int, keep_logits_mb: float,
+                 batch_shards: int):
   """One micro-batch's share of the optimizer step's loss, and its additive diagnostics. `reference_blocks`: the
   ranks and divisor of `exgrpo_reference`'s entropy bonus (objectives.reference_entropy_term)."""
   model = nnx.merge(graphdef, params)
-  logp, entropy = completion_logprobs(model, micro, temperature, prompt_group)  # [r, T] each
+  logp, entropy = completion_logprobs(model, micro, temperature, prompt_group, keep_logits_mb=keep_logits_mb,
+                                      batch_shards=batch_shards)  # [r, T] each
   if "old_logp" not in micro:  # one optimizer step a batch: pi_old is the policy being differentiated, detached
     micro = {**micro, "old_logp": jax.lax.stop_gradient(logp)}
   mask = micro["completion_mask"]
@@ -150,12 +156,12 @@ def _policy_loss(params, graphdef, micro: dict, normalizer, settings: objectives
   return loss, (losses, stats, micro["old_logp"])
 
 
-def _loss_and_replayed_grads(params, graphdef, micro: dict, normalizer, settings, temperature, reference_blocks,
-                             prompt_group):
+def _loss_and_replayed_grads(params, graphdef, micro: dict, *args):
   """(gradient of the loss, gradient of its replayed rows' policy part, aux) from one forward pass and two
-  backward ones: the second pull of the same vjp reuses the forward's residuals."""
+  backward ones: the second pull of the same vjp reuses the forward's residuals. `args`: `_policy_loss`'s after
+  the micro-batch."""
   def both(p):
-    loss, aux = _policy_loss(p, graphdef, micro, normalizer, settings, temperature, reference_blocks, prompt_group)
+    loss, aux = _policy_loss(p, graphdef, micro, *args)
     return jnp.stack([loss, aux[0]["loss/replayed_policy"]]), aux
 
   _, pull, aux = jax.vjp(both, params, has_aux=True)
@@ -208,12 +214,13 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
   num_minibatches = config.train.num_minibatches
   num_micro = config.train.num_microbatches
   skip_norm = config.optim.skip_grad_norm
-  normalizer_kwargs = settings.normalizer_kwargs(num_ranks=parallel.batch_shards(batch_sharding.mesh),
-                                                 num_microbatches=num_micro)
+  batch_shards = parallel.batch_shards(batch_sharding.mesh)
+  normalizer_kwargs = settings.normalizer_kwargs(num_ranks=batch_shards, num_microbatches=num_micro)
   reference_blocks = {k: normalizer_kwargs[k] for k in ("reference_ranks", "reference_divisor")}
   # train.replayed_grad_share: also the gradient of the replayed rows' policy loss, for its norm's share of the
   # update's (a second backward pass per micro-batch; the comparison's mechanism figure).
   replayed_share = bool(config.train.get("replayed_grad_share", False))
+  keep_logits_mb = config.train.keep_logits_mb
   grad_fn = jax.grad(_policy_loss, has_aux=True)
 
   def optimizer_step(carry, minibatch):
@@ -225,7 +232,8 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     def micro_grads(micro):
       """({"all": gradient, "replayed": its replayed part or nothing}, (losses, stats)) of one micro-batch."""
       micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
-      args = (params, graphdef, micro, normalizer, settings, temperature, reference_blocks, prompt_group)
+      args = (params, graphdef, micro, normalizer, settings, temperature, reference_blocks, prompt_group,
+              keep_logits_mb, batch_shards)
       if replayed_share:
         grads, replayed_grads, aux = _loss_and_replayed_grads(*args)
         return {"all": grads, "replayed": replayed_grads}, aux
@@ -241,13 +249,14 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     # Gradients and losses are sums over micro-batches (each already divided by the global normaliser). The
     # micro-batch's forward and backward pass appear once in the program, which is most of what XLA compiles (a copy
     # outside the scan for the first micro-batch doubled the update's compile).
+    first_micro = jax.tree.map(lambda x: x[0], minibatch)
     if num_micro == 1:
-      grad_parts, (losses, stats, old_logp) = micro_grads(jax.tree.map(lambda x: x[0], minibatch))
+      grad_parts, (losses, stats, old_logp) = micro_grads(first_micro)
       old_logp = old_logp[None]  # [1, r, T]
     else:
-      grad_shapes, (loss_shapes, _, _) = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], minibatch))
-      zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-      start = (zeros(grad_shapes), zeros(loss_shapes), diagnostics.empty_stats())
+      grad_shapes, (loss_shapes, _, _) = jax.eval_shape(micro_grads, first_micro)
+      start = (jax.tree.map(jnp.zeros_like, grad_shapes), jax.tree.map(jnp.zeros_like, loss_shapes),
+               diagnostics.empty_stats())
       (grad_parts, losses, stats), old_logp = jax.lax.scan(accumulate, start, minibatch)  # old_logp [n, r, T]
     grads = grad_parts["all"]
     grad_norm = optax.tree.norm(grads)

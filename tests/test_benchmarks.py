@@ -20,6 +20,14 @@ def _harness_env(xla_flags: str = "") -> dict:
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{xla_flags} {light_compile.FLAGS}".strip())
 
 
+def _table_rows(stdout: str, header: str, name_width: int) -> dict[str, list[str]]:
+  """A benchmark's table after its header line (the line that starts with `header`): {row name: its fields}, the
+  name being the first `name_width` characters of the row."""
+  lines = stdout.splitlines()
+  table = lines[next(i for i, line in enumerate(lines) if line.startswith(header)) + 1:]
+  return {line[:name_width].strip(): line[name_width:].split() for line in table}
+
+
 @pytest.mark.slow
 def test_sampler_benchmark_runs_on_two_cpu_devices():
   env = _harness_env()
@@ -77,9 +85,7 @@ def test_update_split_benchmark_reports_every_part_against_the_matmul_peak():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "train.num_minibatches=2" in result.stdout, result.stdout
   assert "prompts shared by groups of 8" in result.stdout, result.stdout  # the tiny preset's 8 samples a question
-  table = result.stdout.splitlines()
-  table = table[next(i for i, line in enumerate(table) if line.startswith("part")) + 1:]
-  rows = {line[:24].strip(): line[24:].split() for line in table}
+  rows = _table_rows(result.stdout, header="part", name_width=24)
   assert list(rows) == ["matmul", "update", "score", "body forward", "body forward+backward",
                         "head forward+backward", "update, prompt per row"], result.stdout
   assert rows["matmul"][-1] == "100%", result.stdout
@@ -93,9 +99,7 @@ def test_update_step_benchmark_times_both_mlp_backward_passes_with_the_same_grad
   command = [sys.executable, os.path.join(_REPO, "benchmarks", "update_step.py"), "--repeats=1", "--microbatches=2"]
   result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  table = result.stdout.splitlines()
-  table = table[next(i for i, line in enumerate(table) if line.startswith("variant")) + 1:]
-  rows = {line[:32].strip(): line[32:].split() for line in table}
+  rows = _table_rows(result.stdout, header="variant", name_width=32)
   assert list(rows) == ["autodiff, 2 micro-batches", "hand, 2 micro-batches"], result.stdout
   best, median, speedup, norm = zip(*rows.values())  # ms, ms, "1.00x", the gradient norm of the first call
   assert all(float(t) > 0 for t in best + median) and speedup[0] == "1.00x", result.stdout
@@ -155,9 +159,7 @@ def test_decode_floor_benchmark_reports_every_part_against_the_weights_read():
   result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "tiny: 1.0M float32 weights" in result.stdout and "engine steps from 4 and 8 new tokens" in result.stdout
-  table = result.stdout.splitlines()
-  table = table[next(i for i, line in enumerate(table) if line.startswith("part")) + 1:]
-  rows = {line[:24].strip(): line[24:].split() for line in table}
+  rows = _table_rows(result.stdout, header="part", name_width=24)
   assert list(rows) == ["read", "matmuls", "head", "head, vocabulary-major", "engine step"], result.stdout
   assert rows["read"][3:] == ["-", "1.00"], result.stdout  # the floor is the unit
   for name, fields in rows.items():  # best ms, median ms, GB/s, GFLOP/s, x read

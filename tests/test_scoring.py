@@ -106,17 +106,53 @@ def test_chunked_logprobs_overlapping_vocab_and_memory():
   assert largest < b * t * v
 
 
-def _sizes(jaxpr):
-  """Element counts of every value a jaxpr (and its sub-jaxprs: scan, checkpoint, ...) produces."""
+def test_kept_logits_give_the_chunked_values_and_gradients():
+  """`keep_logits=True` (the update's head where its logits fit `train.keep_logits_mb`): one [B, T, V] product kept
+  for the backward pass, with the chunked head's log-probs, entropies and gradients, temperature included, and
+  the kept logits as the backward pass's only vocabulary-wide product (two products in the backward, not three)."""
+  rs = np.random.RandomState(1)
+  b, t, d, v = 2, 12, 8, 67
+  hidden = jnp.asarray(rs.randn(b, t, d), jnp.float32)
+  w = jnp.asarray(rs.randn(d, v), jnp.float32)
+  targets = jnp.asarray(rs.randint(0, v, size=(b, t)), jnp.int32)
+
+  def loss(h, w, keep):
+    logp, ent = scoring.chunked_logprobs(h, w, targets, chunk_size=4, vocab_chunk_size=16, temperature=0.6,
+                                         keep_logits=keep)
+    return jnp.sum(logp) + 0.3 * jnp.sum(ent), (logp, ent)
+
+  (_, kept), kept_grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, w, True)
+  (_, chunked), chunked_grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, w, False)
+  for got, want in zip(kept + kept_grads, chunked + chunked_grads):  # up to float32 rounding of the two orders
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  assert float(jnp.max(jnp.abs(kept_grads[1]))) > 1e-2  # a real gradient reaches the unembedding
+  # Vocabulary-wide dots (an output or operand with v columns): the forward's logits and the backward's two.
+  jaxpr = jax.make_jaxpr(jax.grad(lambda h, w: loss(h, w, True)[0], argnums=(0, 1)))(hidden, w)
+  dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) == 3, [e.outvars[0].aval.shape for e in dots]
+
+  assert scoring.logits_kept(16, 64, 49_152, 256.0)  # the smollm2-135m preset's micro-batch: 201 MB
+  assert not scoring.logits_kept(4, 8192, 152_064, 256.0)  # Qwen2.5-Math-7B at the paper's lengths: 19 GB
+  assert not scoring.logits_kept(1, 1, 2, 0.0)  # 0: always recompute
+
+
+def _equations(jaxpr):
+  """Every equation of a jaxpr and of its sub-jaxprs (scan, checkpoint, custom_vjp, ...)."""
   for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      yield int(np.prod(var.aval.shape)) if hasattr(var.aval, "shape") else 0
+    yield eqn
     for param in eqn.params.values():
       for sub in (param if isinstance(param, (list, tuple)) else [param]):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _sizes(sub.jaxpr)
+          yield from _equations(sub.jaxpr)
         elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _sizes(sub)
+          yield from _equations(sub)
+
+
+def _sizes(jaxpr):
+  """Element counts of every value a jaxpr (and its sub-jaxprs: scan, checkpoint, ...) produces."""
+  for eqn in _equations(jaxpr):
+    for var in eqn.outvars:
+      yield int(np.prod(var.aval.shape)) if hasattr(var.aval, "shape") else 0
 
 
 def test_score_gradient_inside_jit(model):

@@ -47,6 +47,7 @@ STORE_SLACK = 8 / 7  # replay/storage.py compacts a page once its dead tokens ex
 BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
 FORWARD_MLP_ARRAYS, FORWARD_HIDDEN_ARRAYS = 3, 2
 LOGITS_CHUNK_COPIES = 4  # the scorer's [b, chunk, vocab chunk] f32 logits live at once in the backward (3 forward)
+KEPT_LOGITS_COPIES = 3  # the update's kept [b, T, V] f32 logits and two of their size in its backward (train.keep_logits_mb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +287,10 @@ def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
     out["activations"] = (m.num_layers * (BACKWARD_MLP_ARRAYS * mlp + FORWARD_HIDDEN_ARRAYS * hidden)
                           + (BACKWARD_HIDDEN_ARRAYS - FORWARD_HIDDEN_ARRAYS) * hidden + attention)
   out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=True)
-  out["logits"] = _logits_chunk_bytes(w, b, LOGITS_CHUNK_COPIES)
+  if scoring.logits_kept(b, t, m.vocab_size, config.train.keep_logits_mb):  # decided on the whole vocabulary
+    out["logits"] = KEPT_LOGITS_COPIES * b * t * w.vocab * 4  # the columns of one device
+  else:
+    out["logits"] = _logits_chunk_bytes(w, b, LOGITS_CHUNK_COPIES)
   return out
 
 
