@@ -282,7 +282,12 @@ def test_the_decode_loop_gathers_no_weight_on_an_fsdp_mesh(model):
   decode = engine.decode_layout(trained, mesh, "float32")
   assert _collectives(mesh, decode, graphdef) == {"all-reduce"}
   data = parallel.make_mesh(data=8)
-  assert _collectives(data, jax.device_put(params, parallel.param_shardings(params, data)), graphdef) == {"all-reduce"}
+  replicated = jax.device_put(params, parallel.param_shardings(params, data))
+  assert _collectives(data, replicated, graphdef) == {"all-reduce"}
+  # Weights already as the decode reads them are not copied; a cast to another compute dtype is.
+  assert engine.decode_layout(replicated, data, "float32") is replicated
+  cast = engine.decode_layout(replicated, data, "bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_greedy_equals_transformers(tmp_path):

@@ -326,7 +326,7 @@ def _sampler_weights(w: Workload, wt: dict[str, int], *, layers: int) -> dict[st
   """The weights a sampler phase holds: the parameters, and either the engine's decode copy (it reads only that,
   so nothing is gathered) or the gathered copies of `layers` layers and the unembedding (`gathered`)."""
   moved = w.mesh_shape[1] > 1 or w.compute_bytes != w.param_bytes  # else the weights are read where they are
-  if w.decode_copy:  # (jit hands an unchanged input back as its output: no copy when nothing moves)
+  if w.decode_copy:  # (engine.decode_layout returns weights that nothing moves as they are: no copy)
     return {"params": wt["params"], "decode_copy": wt["decode_copy"] if moved else 0, "gathered": 0}
   # The loop's weights are invariant: XLA hoists their all-gathers out of it, so every layer's gathered copy and the
   # unembedding's live through the loop (measured on XLA:CPU; the pass is not backend-specific).
