@@ -288,6 +288,7 @@ def test_the_decode_loop_gathers_no_weight_on_an_fsdp_mesh(model):
   assert engine.decode_layout(replicated, data, "float32") is replicated
   cast = engine.decode_layout(replicated, data, "bfloat16")
   assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(engine.decode_layout(cast, data, "float32"))} == {jnp.dtype(jnp.float32)}
 
 
 def test_greedy_equals_transformers(tmp_path):
