@@ -150,7 +150,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.train.replayed_grad_share = False
   # The update's head keeps a micro-batch's logits [rows, completion, vocab] (float32, one device's rows) from its
   # forward pass for its backward pass when they take at most this many MB, instead of computing them again there
-  # in chunks: one vocabulary-wide product fewer (the smollm2-135m preset's update, 201 MB of logits: 6.58 -> 6.22
+  # in chunks: one vocabulary-wide product fewer (the smollm2-135m preset's update, 201 MB of logits: 6.47 -> 6.22
   # s). The paper-scale presets' logits are gigabytes, so they recompute. 0: always recompute.
   c.train.keep_logits_mb = 256.0
   # A run from step 0 whose policy answers none of the held-out rows at step 0 and none (under 1%, chance hits) of

@@ -8,7 +8,7 @@ inside each a `lax.scan` over vocabulary chunks with an online log-sum-exp. The 
 each logits block once more, where remat with autodiff computed it twice more and stored the softmax. Peak logits
 memory is [B, chunk_size, vocab_chunk_size] (forward and backward). Where the whole [B, T, V] logits are small (the
 update's `train.keep_logits_mb`, `logits_kept`), `keep_logits=True` computes them in one product and keeps them for
-the backward pass instead: one vocabulary-wide product fewer (the smollm2-135m preset's update: 1.30 -> 1.03 s in
+the backward pass instead: one vocabulary-wide product fewer (the smollm2-135m preset's update: 1.28 -> 1.04 s in
 the head, docs/benchmarks.md).
 
 Definitions (match `jaxrlvr.rollout.generate` at temperature T with no top-k / top-p):
@@ -282,7 +282,8 @@ def _head_kept_fwd(hidden, unembedding, targets, temperature):
                       preferred_element_type=jnp.float32) * inv_t  # [B, T, V]
   log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
   mean_logit = jnp.sum(jnp.exp(logits - log_z[..., None]) * logits, axis=-1)  # E[l], [B, T]
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+  # A masked sum rather than a gather: with the vocabulary split over 'tensor', each device sums its own columns.
+  target_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
   return (target_logit - log_z, log_z - mean_logit), (hidden, unembedding, targets, logits, log_z, mean_logit)
 
 

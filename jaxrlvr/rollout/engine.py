@@ -178,7 +178,7 @@ def decode_layout(params: Any, mesh: Any, compute_dtype: Any) -> Any:
   spec_of = lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
   shardings = tuple(NamedSharding(mesh, P(*(_without_batch_axes(a) for a in spec_of(x)))) for x in leaves)
   dtype = jnp.dtype(compute_dtype)
-  in_place = lambda x, s: (x.sharding.is_equivalent_to(s, x.ndim)
+  in_place = lambda x, s: (not isinstance(x, jax.core.Tracer) and x.sharding.is_equivalent_to(s, x.ndim)
                            and (x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating)))  # bf16 included
   if all(in_place(x, s) for x, s in zip(leaves, shardings)):
     return params
