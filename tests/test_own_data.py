@@ -130,11 +130,11 @@ def _main(tmp_path, *args: str) -> subprocess.CompletedProcess:
 def test_rows_without_solutions_learn_with_only_the_source_flag(tmp_path):
   """The issue's run: configs/exgrpo.py and only the source flag (30 steps instead of 200). The tiny preset is
   warm-started on the embedded task as the default command warm-starts it, says so in one line, and RL on the rows
-  scores above 0. The warm start is 600 steps instead of the default's 1,200: the same code and cache (with the
-  1,200 this test took 237 s). The smoke configs' 300 steps, which the session trains anyway, were too close to the
-  edge: from them the held-out accuracy went 0 -> 50% in the 30 steps on one machine, while on another (same code,
-  XLA:CPU rounding otherwise) the policy solved 10 of the 1,024 rollouts of steps 1-8 and the run stopped
-  (train.stop_if_unsolvable_steps). From 600 steps: 17% at step 0, 50% at step 30."""
+  scores above 0. The warm start is 600 steps instead of the default's 1,200 (with the 1,200 this test took 237 s):
+  the smoke configs' warm start, whose cache key is the same, so a test run trains it once for both. 300 steps were
+  too close to the edge: from them the held-out accuracy went 0 -> 50% in the 30 steps on one machine, while on
+  another (same code, XLA:CPU rounding otherwise) the policy solved 10 of the 1,024 rollouts of steps 1-8 and the run
+  stopped (train.stop_if_unsolvable_steps). From 600 steps: 17% at step 0, 50% at step 30."""
   path = _write_jsonl(tmp_path / "q.jsonl", _arithmetic_rows())
   result = _main(tmp_path, "--config=configs/exgrpo.py", f"--config.data.source=jsonl:{path}",
                  "--config.total_steps=30", "--config.warm_start.steps=600")
