@@ -29,10 +29,10 @@ DEFAULT_CHUNK_SIZE = 128
 DEFAULT_VOCAB_CHUNK_SIZE = 32768
 
 
-def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-          vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE, temperature: float = 1.0,
-          positions: jax.Array | None = None, last: int | None = None,
-          keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
+def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array | None, *,
+          chunk_size: int = DEFAULT_CHUNK_SIZE, vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+          temperature: float = 1.0, positions: jax.Array | None = None, last: int | None = None,
+          keep_logits: bool = False, segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Teacher-forced (logprobs [B, T], entropies [B, T]) float32 of `input_ids` [B, T] under `model`; with `last`,
   those of the last `last` positions only ([B, last] each): the vocabulary-wide head then runs on those positions
   alone, which is all an update over completions needs (on the smollm2-135m preset's 64 + 64 tokens, half of it).
@@ -40,7 +40,10 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
   Pure and differentiable w.r.t. the model's parameters; call it inside your own jit (see `score_jit` for a jitted
   wrapper). `attention_mask` [B, T] marks real tokens (left padding before the prompt, right padding after the
   answer); RoPE positions default to the model's cumsum(mask) - 1, which is what the sampler uses. `keep_logits`:
-  see `chunked_logprobs`.
+  see `chunked_logprobs`. Packed rows (several sequences one after another, `Transformer.hidden`) pass
+  `segment_ids` [B, T] and `positions` instead of `attention_mask` (None). A sequence's first token has no
+  prediction of its own there (it is read from the previous sequence's last state), so sum over a mask of the tokens
+  that have one (a prompt's completion: `warm_start.pack_rows`).
 
   Under a mesh the batch stays sharded over ('data', 'fsdp') through the chunks. When the vocabulary is sharded
   over 'tensor', slicing it into chunks makes XLA gather the unembedding; there each device already holds only
@@ -50,6 +53,8 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
     raise ValueError(f"scoring.py: temperature={temperature} must be > 0 (score greedy rollouts at temperature 1)")
   if chunk_size < 1 or vocab_chunk_size < 1:
     raise ValueError(f"scoring.py: chunk_size={chunk_size} and vocab_chunk_size={vocab_chunk_size} must be >= 1")
+  if segment_ids is not None:
+    attention_mask = segment_ids > 0
   if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
     raise ValueError(f"scoring.py: input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be the "
                      "same [B, T] shape")
@@ -57,7 +62,8 @@ def score(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, *,
   scored = length if last is None else last
   if not 1 <= scored <= length:
     raise ValueError(f"scoring.py: last={last} must be in [1, {length}], the sequence length")
-  hidden, _ = model.hidden(input_ids, positions=positions, attention_mask=attention_mask)  # [B, T, D]
+  hidden, _ = model.hidden(input_ids, positions=positions, segment_ids=segment_ids,
+                           attention_mask=None if segment_ids is not None else attention_mask)  # [B, T, D]
   # Token t's log-prob is read from hidden[:, t - 1]; token 0 has no predecessor and scores 0.
   start = length - scored
   first = max(start, 1)

@@ -30,6 +30,7 @@ from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
 from jaxrlvr import rollout
+from jaxrlvr import scoring
 from jaxrlvr import step as step_lib
 
 _VERSION = 2
@@ -98,9 +99,7 @@ def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, prom
   mask = np.zeros_like(ids)
   completion_mask = np.zeros((batch, completion_len), np.float32)
   for row, (prompt, completion) in enumerate(pairs):
-    if not 0 < len(prompt) <= prompt_len or len(completion) > completion_len:
-      raise ValueError(f"warm start row {row}: prompt of {len(prompt)} tokens (max {prompt_len}) or completion of "
-                       f"{len(completion)} tokens (max {completion_len}) does not fit")
+    _check_fits(row, prompt, completion, prompt_len, completion_len)
     ids[row, prompt_len - len(prompt):prompt_len] = prompt
     ids[row, prompt_len:prompt_len + len(completion)] = completion
     mask[row, prompt_len - len(prompt):prompt_len + len(completion)] = 1
@@ -108,13 +107,69 @@ def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, prom
   return {"input_ids": ids, "attention_mask": mask, "completion_mask": completion_mask}
 
 
+def _check_fits(row: int, prompt: Sequence[int], completion: Sequence[int], prompt_len: int,
+                completion_len: int) -> None:
+  if not 0 < len(prompt) <= prompt_len or len(completion) > completion_len:
+    raise ValueError(f"warm start row {row}: prompt of {len(prompt)} tokens (max {prompt_len}) or completion of "
+                     f"{len(completion)} tokens (max {completion_len}) does not fit")
+
+
+def first_fit_rows(lengths: Sequence[int], row_len: int) -> list[int]:
+  """The row of each sequence when sequences of `lengths` tokens are packed into rows of `row_len` tokens, longest
+  first, each into the first row with room (first-fit decreasing). Rows are numbered in order of opening."""
+  rows = [0] * len(lengths)
+  room: list[int] = []
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    if not 0 < lengths[i] <= row_len:
+      raise ValueError(f"a sequence of {lengths[i]} tokens does not fit a row of {row_len}")
+    rows[i] = next((r for r, free in enumerate(room) if free >= lengths[i]), len(room))
+    if rows[i] == len(room):
+      room.append(row_len)
+    room[rows[i]] -= lengths[i]
+  return rows
+
+
+def pack_rows(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, row_len: int, num_rows: int,
+              pad_id: int) -> dict:
+  """(prompt ids, completion ids) pairs -> `num_rows` rows of `row_len` tokens holding several pairs each
+  (`first_fit_rows`), for a model that attends within each pair only (`Transformer.hidden(segment_ids=...)`).
+
+  Returns numpy [num_rows, row_len] `input_ids`; `segment_ids` (a pair's number in its row from 1, 0 for padding);
+  `positions` (each pair's own, from 0, as it has alone); and `loss_mask`, 1 on the completion tokens. The same
+  pairs left-padded one to a row (`pack_sequences`) give the same loss up to float rounding, for fewer rows: the
+  embedded default's pairs take 23 of their 42 tokens on average.
+  """
+  rows = first_fit_rows([len(p) + len(c) for p, c in pairs], row_len)
+  if max(rows, default=-1) >= num_rows:
+    raise ValueError(f"{len(pairs)} pairs take {max(rows) + 1} packed rows, more than the {num_rows} given")
+  ids = np.full((num_rows, row_len), pad_id, np.int32)
+  segments, positions = np.zeros_like(ids), np.zeros_like(ids)
+  loss_mask = np.zeros((num_rows, row_len), np.float32)
+  filled = [0] * num_rows
+  for (prompt, completion), row in zip(pairs, rows):
+    start, length = filled[row], len(prompt) + len(completion)
+    filled[row] += length
+    ids[row, start:start + length] = list(prompt) + list(completion)
+    segments[row, start:start + length] = 1 + int(segments[row].max())
+    positions[row, start:start + length] = np.arange(length)
+    loss_mask[row, start + len(prompt):start + length] = 1
+  return {"input_ids": ids, "segment_ids": segments, "positions": positions, "loss_mask": loss_mask}
+
+
 def make_sft_step(graphdef, optimizer: optax.GradientTransformation, *, param_sharding, opt_sharding, batch_sharding):
   """Jitted (params, opt_state, batch) -> (params, opt_state, loss): one step on the mean negative log-likelihood of
-  the completion tokens. Its outputs keep the placement of its inputs, so every call reuses the first compile."""
+  the completion tokens, of a batch of packed rows (`pack_rows`) or of one pair a row (`pack_sequences`). Its
+  outputs keep the placement of its inputs, so every call with a batch of the same shape reuses the first compile."""
 
   def loss_fn(params, batch):
-    logp, _ = step_lib.completion_logprobs(nnx.merge(graphdef, params), batch, 1.0)
-    mask = batch["completion_mask"]
+    model = nnx.merge(graphdef, params)
+    if "segment_ids" in batch:
+      logp, _ = scoring.score(model, batch["input_ids"], None, positions=batch["positions"],
+                              segment_ids=batch["segment_ids"])  # [rows, row_len]
+      mask = batch["loss_mask"]
+    else:
+      logp, _ = step_lib.completion_logprobs(model, batch, 1.0)  # [rows, T]
+      mask = batch["completion_mask"]
     return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
   def train_step(params, opt_state, batch):
@@ -129,7 +184,25 @@ def make_sft_step(graphdef, optimizer: optax.GradientTransformation, *, param_sh
 def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, seed: int, prompt_len: int,
                      completion_len: int, pad_id: int, batch_sharding, log_every: int = 100):
   """AdamW (linear warm-up, cosine decay to lr/10) on the mean negative log-likelihood of the completion tokens; the
-  model's parameters live on `batch_sharding.mesh`."""
+  model's parameters live on `batch_sharding.mesh`.
+
+  Each step draws `batch_size` pairs and packs them into rows of prompt_len + completion_len tokens (`pack_rows`),
+  as many rows as the fullest step needs (a multiple of the batch shards), so every step has one shape. With
+  "blockwise" attention, which takes no packed rows, each pair has a row of its own (`pack_sequences`).
+  """
+  for i, (prompt, completion) in enumerate(pairs):
+    _check_fits(i, prompt, completion, prompt_len, completion_len)
+  rng = np.random.default_rng(seed)
+  draws = [rng.choice(len(pairs), size=batch_size, replace=len(pairs) < batch_size) for _ in range(steps)]
+  row_len = prompt_len + completion_len
+  packed = models.resolve_attention(model.config.attention, q_len=row_len, kv_len=row_len,
+                                    dtype=model.config.compute_dtype) != "blockwise"
+  if packed:
+    shards = parallel.batch_shards(batch_sharding.mesh)
+    lengths = [len(p) + len(c) for p, c in pairs]
+    needed = max((1 + max(first_fit_rows([lengths[r] for r in rows], row_len)) for rows in draws), default=1)
+    num_rows = -(-needed // shards) * shards
+
   graphdef, params = nnx.split(model)
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(steps // 10, 1)), max(steps, 2), lr / 10)
   optimizer = optax.adamw(schedule, weight_decay=0.0)
@@ -138,13 +211,14 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
                              opt_sharding=jax.tree.map(lambda x: x.sharding, opt_state),
                              batch_sharding=batch_sharding)
 
-  rng = np.random.default_rng(seed)
   start = time.time()
   previous_loss = None
-  for i in range(steps):
-    rows = rng.choice(len(pairs), size=batch_size, replace=len(pairs) < batch_size)
-    batch = pack_sequences([pairs[r] for r in rows], prompt_len=prompt_len, completion_len=completion_len,
-                           pad_id=pad_id)
+  for i, rows in enumerate(draws):
+    chosen = [pairs[r] for r in rows]
+    if packed:
+      batch = pack_rows(chosen, row_len=row_len, num_rows=num_rows, pad_id=pad_id)
+    else:
+      batch = pack_sequences(chosen, prompt_len=prompt_len, completion_len=completion_len, pad_id=pad_id)
     batch = parallel.put_global(batch, batch_sharding)  # the same batch on every process
     params, opt_state, loss = train_step(params, opt_state, batch)
     # At most one step queued behind the running one: the next batch is packed while a step runs, and a device never

@@ -67,6 +67,26 @@ def test_left_padding_with_mask_equals_unpadded_row():
   np.testing.assert_allclose(np.asarray(logits[:, 3:]), np.asarray(alone), atol=1e-5, rtol=1e-5)
 
 
+def test_packed_rows_give_each_sequence_its_own_hidden_states():
+  """Sequences packed one after another in a row (segment ids, each its own positions) get the hidden states they get
+  alone, with padding after them and in a second row; blockwise attention, which takes no segments, says so."""
+  model = _model()
+  first, second, third = _ids((1, 5), seed=1), _ids((1, 4), seed=2), _ids((1, 7), seed=3)
+  ids = jnp.zeros((2, 11), jnp.int32)
+  ids = ids.at[0, :5].set(first[0]).at[0, 5:9].set(second[0]).at[1, :7].set(third[0])
+  segment_ids = jnp.array([[1] * 5 + [2] * 4 + [0] * 2, [1] * 7 + [0] * 4])
+  positions = jnp.array([list(range(5)) + list(range(4)) + [0, 0], list(range(7)) + [0] * 4])
+  hidden = nnx.jit(lambda m, i, s, p: m.hidden(i, segment_ids=s, positions=p)[0])(model, ids, segment_ids, positions)
+  for alone, (row, start) in zip((first, second, third), ((0, 0), (0, 5), (1, 0))):
+    expected, _ = nnx.jit(lambda m, i: m.hidden(i))(model, alone)
+    got = hidden[row, start:start + alone.shape[1]]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected[0]), atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="blockwise attention takes no segment ids"):
+    _model(_SMALL.replace(attention="blockwise")).hidden(ids, segment_ids=segment_ids, positions=positions)
+  with pytest.raises(ValueError, match="segment_ids"):
+    model.hidden(ids, segment_ids=segment_ids)  # no positions
+
+
 def test_explicit_positions_feed_rope():
   """RoPE scores depend on relative positions: a uniform shift changes nothing, a stretch changes the logits."""
   model = _model()

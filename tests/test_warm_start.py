@@ -7,6 +7,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -27,6 +28,41 @@ def _completion_nll(model, mesh) -> float:
       {k: v[[0, 1, 2, 0]] for k, v in batch.items()}, mesh), 1.0)  # 4 rows: they split over 1, 2 or 4 shards
   mask = jnp.asarray(batch["completion_mask"][[0, 1, 2, 0]])
   return float(-jnp.sum(logp * mask) / jnp.sum(mask))
+
+
+def test_first_fit_rows_packs_the_longest_first():
+  assert warm_start.first_fit_rows([5, 3, 4, 2], row_len=7) == [0, 1, 1, 0]  # 5 + 2 and 4 + 3
+  assert warm_start.first_fit_rows([7, 7, 1], row_len=7) == [0, 1, 2]
+  with pytest.raises(ValueError, match="8 tokens does not fit a row of 7"):
+    warm_start.first_fit_rows([8], row_len=7)
+
+
+def test_packed_rows_train_as_one_pair_a_row():
+  """The same pairs packed several to a row (`pack_rows`) and one to a row (`pack_sequences`): the same loss and, one
+  SGD step on, the same parameters, on half the rows."""
+  packed = warm_start.pack_rows(_PAIRS, row_len=8, num_rows=2, pad_id=0)  # 7, 4 and 4 tokens: 7 | 4 + 4
+  assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 10, 11, 12, 13, 14, 15]]
+  assert packed["segment_ids"].tolist() == [[1] * 7 + [0], [1] * 4 + [2] * 4]
+  assert packed["positions"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0], [0, 1, 2, 3, 0, 1, 2, 3]]
+  assert packed["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 1, 1, 1]]
+  with pytest.raises(ValueError, match="3 pairs take 2 packed rows, more than the 1 given"):
+    warm_start.pack_rows(_PAIRS, row_len=8, num_rows=1, pad_id=0)
+
+  mesh = parallel.make_mesh(data=1, devices=jax.devices()[:1])
+  padded = warm_start.pack_sequences(_PAIRS, prompt_len=4, completion_len=4, pad_id=0)
+  results = []
+  for batch in (padded, packed):
+    graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
+    optimizer = optax.sgd(1.0)
+    opt_state = step_lib.init_optimizer_state(params, optimizer, mesh)
+    sft_step = warm_start.make_sft_step(graphdef, optimizer, param_sharding=jax.tree.map(lambda x: x.sharding, params),
+                                        opt_sharding=jax.tree.map(lambda x: x.sharding, opt_state),
+                                        batch_sharding=parallel.batch_sharding(mesh))
+    results.append(sft_step(params, opt_state, parallel.shard_batch(batch, mesh)))
+  (params_a, _, loss_a), (params_b, _, loss_b) = results
+  np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("devices", [1, 4])

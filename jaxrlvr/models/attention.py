@@ -3,7 +3,9 @@
 Shapes: B batch, T queries, S key slots (the KV cache's capacity, or T without a cache), N query heads, K kv heads,
 G = N // K query heads per kv head, H head_dim. Keys and values arrive heads-first, [B, K, S, H], the cache's layout.
 Masking: query t (at slot `query_slots[t]`) sees slot s when s <= query_slots[t] and `key_mask[b, s]`; a query with
-no such key (a left-padding query) sees its own slot only, so no softmax row is empty and nothing is NaN.
+no such key (a left-padding query) sees its own slot only, so no softmax row is empty and nothing is NaN. An int32
+`key_mask` holds segment ids instead (0: padding): a row packs several sequences one after another, and a query sees
+only the keys of its own segment (see `attention_weights_mask`; not "blockwise").
 
 Implementations (`ModelConfig.attention`):
 - "xla": scores [B, K, G*T, S] in float32, then softmax. Fastest where T x S is small (XLA:CPU), quadratic memory.
@@ -84,28 +86,45 @@ def _cudnn_accepts(q_len: int, kv_len: int, dtype: str, head_dim: int) -> bool:
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, query_slots: jax.Array, key_mask: jax.Array, *,
            implementation: str, block_size: int) -> jax.Array:
-  """q [B, T, N, H], k/v [B, K, S, H], query_slots [T] int32, key_mask [B, S] bool -> [B, T, N, H] in q's dtype.
+  """q [B, T, N, H], k/v [B, K, S, H], query_slots [T] int32, key_mask [B, S] bool (or int32 segment ids, see
+  `attention_weights_mask`) -> [B, T, N, H] in q's dtype.
 
   `block_size` is the query and key block of "blockwise" (ignored by the others).
   """
   t, s = q.shape[1], k.shape[2]
   chosen = resolve(implementation, q_len=t, kv_len=s, dtype=q.dtype, head_dim=q.shape[-1])
   if chosen == "blockwise":
+    if packed(key_mask):
+      raise ValueError("models/attention.py: blockwise attention takes no segment ids (packed rows); use attention "
+                       f"'xla' or 'cudnn' for these {t} x {s} scores")
     return blockwise_attention(q, k, v, jnp.asarray(query_slots, jnp.int32), key_mask.astype(bool), block_size)
   mask = attention_weights_mask(query_slots, key_mask)  # [B, T, S]
   return dot_product_attention(q, k, v, mask, implementation=chosen)
 
 
+def packed(key_mask: jax.Array) -> bool:
+  """Whether `key_mask` holds segment ids (integers) rather than a mask of real keys (bool)."""
+  return jnp.issubdtype(key_mask.dtype, jnp.integer)
+
+
 def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
   """Boolean [B, T, S]: causal by slot and restricted to real keys.
 
-  `query_slots` [T] are the slots the queries occupy, `key_mask` [B, S] marks real keys. A query row with no allowed
-  key (a left-padding query) is allowed its own slot only, so softmax never sees an empty row and nothing is NaN;
-  rows with at least one real key are unchanged.
+  `query_slots` [T] are the slots the queries occupy. `key_mask` [B, S] marks real keys (bool), or gives each slot
+  its segment id (integers, 0 for padding): then a query sees only the keys of its own segment, as when each of a
+  row's packed sequences ran alone. A 0/1 integer mask is one segment a row, the boolean mask's rule. A query on a
+  padding slot (segment 0) sees every real key before it, as with a boolean mask. A query row with no allowed key
+  (a left-padding query) is allowed its own slot only, so softmax never sees an empty row and nothing is NaN; rows
+  with at least one real key are unchanged.
   """
   slots = jnp.arange(key_mask.shape[1])
   causal = slots[None, :] <= query_slots[:, None]  # [T, S]
-  allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
+  if packed(key_mask):
+    query_segments = jnp.take(key_mask, query_slots, axis=1)[:, :, None]  # [B, T, 1]
+    same = (key_mask[:, None, :] == query_segments) | (query_segments == 0)  # [B, T, S]
+    allowed = causal[None] & (key_mask[:, None, :] > 0) & same
+  else:
+    allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
   empty = ~jnp.any(allowed, axis=-1, keepdims=True)  # [B, T, 1]
   own = (slots[None, :] == query_slots[:, None])[None]  # [1, T, S]
   return allowed | (empty & own)

@@ -269,16 +269,27 @@ class Transformer(nnx.Module):
 
   def hidden(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
              attention_mask: jax.Array | None = None, cache: Cache | None = None,
-             cache_index: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+             cache_index: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
     """Final-norm hidden states [B, T, D] and the updated cache (None without one).
 
     Without a cache, `attention_mask` is [B, T] over the inputs. With one, it is [B, S] over the cache slots and the
     inputs are written at slots [cache_index, cache_index + T).
+
+    `segment_ids` [B, T] (without a cache, in place of `attention_mask`) packs several sequences into a row, one
+    after another: each token's sequence number (1, 2, ...), 0 for padding. A token attends only to the earlier
+    tokens of its own sequence, so each gets the hidden states it would get alone, given `positions` [B, T] (each
+    sequence's own, from 0), which are then required.
     """
     c = self.config
     dt = jnp.dtype(c.compute_dtype)
     b, t = input_ids.shape
-    if cache is not None:
+    if segment_ids is not None:
+      if cache is not None or attention_mask is not None or positions is None:
+        raise ValueError("models/transformer.py: segment_ids (packed rows) go without a cache and attention_mask, "
+                         "and with each sequence's positions")
+      key_mask = segment_ids.astype(jnp.int32)  # segment ids: attention.attention_weights_mask
+    elif cache is not None:
       if len(cache) != c.num_layers:
         raise ValueError(f"models/transformer.py: cache has {len(cache)} layers, the model {c.num_layers}")
       if cache_index is None:
