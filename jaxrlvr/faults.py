@@ -25,6 +25,7 @@ Non-finite updates. step.py skips an optimizer step whose gradient norm is not f
 (`optim/skipped`). A run that keeps producing them has diverged; `NonFiniteStreak` stops it once
 `optim.max_nonfinite_steps` steps in a row had a non-finite loss or gradient norm, naming the step and the metric.
 """
+import errno
 import math
 import os
 import re
@@ -52,18 +53,27 @@ class RunError(RuntimeError):
   main.py prints it as one `jaxrlvr: error: ...` line and exits 2."""
 
 
-_OS_ERROR = re.compile(r"([A-Za-z][\w ,'-]*?) \[os_error_code='?(\d+)")  # tensorstore's "No space left on device [...]"
+# tensorstore's "...: File too large [os_error_code='27']", sometimes with more after it (source locations).
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+# What a disk refuses a write with, found by its text where a message gives no code.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
 
 
 def error_reason(error) -> str:
-  """The system's reason when there is one ("No space left on device, errno 28"), else `Type: first line` (orbax
-  and tensorstore errors run over many lines)."""
+  """The system's reason when there is one ("No space left on device, errno 28"), from the error or the errors it
+  was raised from, else `Type: first line` (orbax and tensorstore errors run over many lines)."""
   if not isinstance(error, BaseException):
     return str(error)
-  if isinstance(error, OSError) and error.strerror:
-    return f"{error.strerror}, errno {error.errno}"
-  if match := _OS_ERROR.search(str(error)):
-    return f"{match.group(1)}, errno {match.group(2)}"
+  seen, cause = set(), error
+  while cause is not None and id(cause) not in seen:
+    seen.add(id(cause))
+    if isinstance(cause, OSError) and cause.strerror:
+      return f"{cause.strerror}, errno {cause.errno}"
+    if match := _OS_ERROR_CODE.search(str(cause)):
+      return f"{os.strerror(int(match.group(1)))}, errno {match.group(1)}"
+    if code := next((c for c in _DISK_ERRNOS if os.strerror(c) in str(cause)), None):
+      return f"{os.strerror(code)}, errno {code}"
+    cause = cause.__cause__ or cause.__context__
   text = str(error).strip().splitlines()
   first = text[0].split(" See full TensorStore details")[0][:300] if text else ""
   return f"{type(error).__name__}: {first}".rstrip(": ")

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxrlvr import faults
 from jaxrlvr import outputs
 from jaxrlvr.rewards import judge as judge_lib
 from jaxrlvr.rewards import math as math_lib
@@ -166,7 +167,6 @@ def test_sigint_exits_130_and_a_second_signal_ends_the_save_at_once(tmp_path):
   assert "SIGTERM again; stopping now" in stderr and not _PREEMPTED.findall(stdout)
 
 
-@pytest.mark.slow
 def _limited_after_the_first_checkpoint(workdir):
   """The run started and, once its checkpoint of step 2 is written, limited so that the kernel refuses to grow any of
   its files past 1 MB: the next checkpoint (5 MB of arrays) fails half-written, while metrics.jsonl and the summary
@@ -191,6 +191,7 @@ def _limited_after_the_first_checkpoint(workdir):
   pytest.fail("the run wrote its checkpoint of step 4 before the test could limit it, 3 times")
 
 
+@pytest.mark.slow  # a whole main command
 def test_a_checkpoint_the_disk_refuses_stops_the_run_and_keeps_the_previous_one(tmp_path, reference):
   workdir = str(tmp_path / "run")
   proc = _limited_after_the_first_checkpoint(workdir)
@@ -205,6 +206,29 @@ def test_a_checkpoint_the_disk_refuses_stops_the_run_and_keeps_the_previous_one(
   result = _run(workdir)  # the kept checkpoint loads, and the run ends as the uninterrupted one
   assert result.returncode == 0, result.stderr[-4000:]
   assert _by_step(workdir) == _by_step(reference)
+
+
+def test_the_disks_reason_is_found_in_whatever_orbax_and_tensorstore_wrap_it_in():
+  """The reason a write failed, as the one-line errors name it: an OSError's own; tensorstore's os_error_code, at the
+  end of its message or before more text, or a disk error's text, in the error or in one it was raised from; else the
+  error's first line. (CI once got the zarr metadata's failed write, whose reason the earlier pattern missed.)"""
+  assert faults.error_reason(OSError(28, "No space left on device")) == "No space left on device, errno 28"
+  written = ValueError("OUT_OF_RANGE: Error writing \"x/0.0\" in OCDBT database at local file \"/c/\": Failed to "
+                       "write 502462 bytes to file 20: File too large [os_error_code='27']")
+  assert faults.error_reason(written) == "File too large, errno 27"
+  opened = ValueError("OUT_OF_RANGE: Error opening \"zarr\" driver: Error writing \"a/.zarray\": File too large "
+                      "[os_error_code=27] [source locations='tensorstore/kvstore/file/file_key_value_store.cc:527']")
+  assert faults.error_reason(opened) == "File too large, errno 27"
+  no_code = ValueError("OUT_OF_RANGE: Error opening \"zarr\" driver: Failed writing: \"/c/d/1\": No space left on device")
+  assert faults.error_reason(no_code) == "No space left on device, errno 28"
+  try:
+    try:
+      raise OSError(27, "File too large")
+    except OSError as e:
+      raise RuntimeError("the save of step 4 failed") from e
+  except RuntimeError as wrapped:
+    assert faults.error_reason(wrapped) == "File too large, errno 27"
+  assert faults.error_reason(ValueError("first line\nsecond")) == "ValueError: first line"
 
 
 def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(tmp_path, reference):
