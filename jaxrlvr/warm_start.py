@@ -130,16 +130,18 @@ def first_fit_rows(lengths: Sequence[int], row_len: int) -> list[int]:
 
 
 def pack_rows(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, row_len: int, num_rows: int,
-              pad_id: int) -> dict:
+              pad_id: int, rows: Sequence[int] | None = None) -> dict:
   """(prompt ids, completion ids) pairs -> `num_rows` rows of `row_len` tokens holding several pairs each
   (`first_fit_rows`), for a model that attends within each pair only (`Transformer.hidden(segment_ids=...)`).
 
   Returns numpy [num_rows, row_len] `input_ids`; `segment_ids` (a pair's number in its row from 1, 0 for padding);
   `positions` (each pair's own, from 0, as it has alone); and `loss_mask`, 1 on the completion tokens. The same
   pairs left-padded one to a row (`pack_sequences`) give the same loss up to float rounding, for fewer rows: the
-  embedded default's pairs take 23 of their 42 tokens on average.
+  embedded default's pairs take 23 of their 42 tokens on average. `rows`: each pair's row, when the caller has
+  `first_fit_rows` of them already.
   """
-  rows = first_fit_rows([len(p) + len(c) for p, c in pairs], row_len)
+  if rows is None:
+    rows = first_fit_rows([len(p) + len(c) for p, c in pairs], row_len)
   if max(rows, default=-1) >= num_rows:
     raise ValueError(f"{len(pairs)} pairs take {max(rows) + 1} packed rows, more than the {num_rows} given")
   ids = np.full((num_rows, row_len), pad_id, np.int32)
@@ -200,8 +202,8 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
   if packed:
     shards = parallel.batch_shards(batch_sharding.mesh)
     lengths = [len(p) + len(c) for p, c in pairs]
-    needed = max((1 + max(first_fit_rows([lengths[r] for r in rows], row_len)) for rows in draws), default=1)
-    num_rows = -(-needed // shards) * shards
+    layouts = [first_fit_rows([lengths[r] for r in rows], row_len) for rows in draws]  # each pair's row, per step
+    num_rows = -(-max((1 + max(layout) for layout in layouts), default=1) // shards) * shards
 
   graphdef, params = nnx.split(model)
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(steps // 10, 1)), max(steps, 2), lr / 10)
@@ -216,7 +218,7 @@ def train_supervised(model, pairs, *, steps: int, lr: float, batch_size: int, se
   for i, rows in enumerate(draws):
     chosen = [pairs[r] for r in rows]
     if packed:
-      batch = pack_rows(chosen, row_len=row_len, num_rows=num_rows, pad_id=pad_id)
+      batch = pack_rows(chosen, row_len=row_len, num_rows=num_rows, pad_id=pad_id, rows=layouts[i])
     else:
       batch = pack_sequences(chosen, prompt_len=prompt_len, completion_len=completion_len, pad_id=pad_id)
     batch = parallel.put_global(batch, batch_sharding)  # the same batch on every process
