@@ -265,10 +265,15 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     del losses["loss/replayed_policy"]
     # Skip rule (released ExGRPO code): no update when the pre-clip norm is not finite or above the bound.
     ok = jnp.isfinite(grad_norm) & (grad_norm <= skip_norm)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_params, params)
-    opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_opt_state, opt_state)
+
+    def apply(state):
+      params, opt_state = state
+      updates, new_opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_opt_state
+
+    # A branch, not `jnp.where(ok, new, old)` over every array: the select was one more pass over the parameters
+    # and both Adam moments (0.2-0.3 s of the smollm2-135m preset's 6.5 s update on 2 CPU cores).
+    params, opt_state = jax.lax.cond(ok, apply, lambda state: state, (params, opt_state))
     losses = {**losses, "optim/grad_norm": grad_norm, "optim/skipped": (~ok).astype(jnp.float32)}
     return (params, opt_state, skipped + (~ok).astype(jnp.int32)), (losses, stats, old_logp)
 

@@ -133,6 +133,9 @@ def test_sharded_update_equals_single_device(shape, reference_gradient):
 def test_skip_rule_leaves_params_and_counts():
   before, state, metrics = _run(_config(optim__skip_grad_norm=1e-9), _single_device(), _batch())
   _assert_params_close(before, state.params, rtol=0, atol=0)
+  # The optimizer's state is as it started (a fresh Adam's is all zeros: step count and moments); a step taken
+  # would have counted and moved the moments.
+  assert not any(np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(state.opt_state))
   assert int(state.skipped) == 1 and metrics["optim/skipped"] == 1
 
 
