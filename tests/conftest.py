@@ -53,6 +53,23 @@ def pytest_configure(config):
   os.environ.pop("PJRT_NPROC", None)
 
 
+@pytest.fixture(scope="module")
+def finished_smoke_run(tmp_path_factory):
+  """(workdir, config) of a finished GRPO smoke run (4 steps, checkpoints 2 and 4, the run's own export DIR/hf),
+  run in this process from the random initialisation: for tests of what a finished run leaves (export, faults), which
+  check what is written, not what the warm start taught. Without a warm start the fast tier trains none; the same
+  config in every module that asks, so their programs come from the test run's compilation cache after the first."""
+  from configs import grpo  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import train  # pylint: disable=g-import-not-at-top
+  config = grpo.get_config("smoke")
+  with config.unlocked():
+    config.warm_start.steps = 0
+    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
+  workdir = str(tmp_path_factory.mktemp("finished") / "run")
+  train.run(config, workdir)
+  return workdir, config
+
+
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
   if not os.environ.get("PYTEST_XDIST_WORKER") and _RUN_DIR.startswith(tempfile.gettempdir()):
     shutil.rmtree(_RUN_DIR, ignore_errors=True)
@@ -80,4 +97,6 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   with open(_CPU_LOG, "a", encoding="utf-8") as f:
     f.write(json.dumps({"test": item.nodeid, "cpu_s": round(own_after - own, 2),
                         "subprocess_cpu_s": round(children_after - children, 2),
-                        "wall_s": round(time.time() - start, 2)}) + "\n")
+                        "wall_s": round(time.time() - start, 2),
+                        # When and where it ran: a worker idle while the other runs shows as gaps between its tests.
+                        "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "start": round(start, 2)}) + "\n")

@@ -16,7 +16,6 @@ import transformers
 from flax import nnx
 from tokenizers import pre_tokenizers
 
-from configs import grpo
 from jaxrlvr import checkpointing
 from jaxrlvr import data as data_lib
 from jaxrlvr import export
@@ -31,23 +30,12 @@ _MASK = (np.arange(_IDS.shape[1])[None] >= np.array([[0], [3]])).astype(np.int64
 _POSITIONS = np.maximum(np.cumsum(_MASK, axis=1) - 1, 0)
 
 
-def _smoke_config():
-  config = grpo.get_config("smoke")
-  with config.unlocked():
-    # From the random initialisation: what is exported is checked, not what the warm start taught, and the fast tier
-    # then trains no warm start (the whole command with it runs in tests/test_train.py).
-    config.warm_start.steps = 0
-    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
-  return config
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-  """One GRPO smoke run (4 steps, checkpoints 2 and 4) shared by the tests below."""
-  workdir = str(tmp_path_factory.mktemp("export") / "run")
-  config = _smoke_config()
-  train.run(config, workdir)
-  return workdir, config
+def run(finished_smoke_run):
+  """One GRPO smoke run (4 steps, checkpoints 2 and 4) shared by the tests below; from the random initialisation:
+  what is exported is checked, not what the warm start taught (the whole command with it runs in
+  tests/test_train.py)."""
+  return finished_smoke_run
 
 
 def _restore_params(workdir: str, config, step: int):

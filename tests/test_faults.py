@@ -6,7 +6,8 @@ asserts what was kept: the checkpoint loads, the resumed metrics equal an uninte
 computed.
 
 The end-to-end runs are ExGRPO's smoke config (the SIGKILL test of tests/test_train.py, with 4 held-out questions)
-on one CPU device; one uninterrupted run per module is the reference.
+on one CPU device; one uninterrupted run per module is the reference. The export test exports a run made in this
+process (conftest's `finished_smoke_run`).
 """
 import glob
 import http.server
@@ -231,21 +232,28 @@ def test_the_disks_reason_is_found_in_whatever_orbax_and_tensorstore_wrap_it_in(
   assert faults.error_reason(ValueError("first line\nsecond")) == "ValueError: first line"
 
 
-def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(tmp_path, reference):
-  """`python -m jaxrlvr.export` of the reference run under a 1 MB file-size limit: its model.safetensors (4 MB) fails
-  with EFBIG. One line, exit 2; no export and no staging directory left; the run's export (DIR/hf) untouched."""
+def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(tmp_path, finished_smoke_run):
+  """`python -m jaxrlvr.export` of a finished run under a 1 MB file-size limit: its model.safetensors (4 MB) fails
+  with EFBIG. One line, exit 2; no export and no staging directory left; the run's export (DIR/hf) untouched. The
+  run is conftest's `finished_smoke_run`, not the reference: that one warm-starts, which the fast tier would train
+  for this test alone (~150 of its ~530 CPU-s)."""
+  finished_run, _ = finished_smoke_run
   out = tmp_path / "export"
-  before = os.listdir(reference)
+  before = {name: os.path.getmtime(os.path.join(finished_run, "hf", name))
+            for name in os.listdir(os.path.join(finished_run, "hf"))}
+  listing = os.listdir(finished_run)
   limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY));"
              " sys.argv[0] = 'export'; runpy.run_module('jaxrlvr.export', run_name='__main__')")
-  result = subprocess.run([sys.executable, "-c", limited, f"--workdir={reference}", f"--out={out}"],
+  result = subprocess.run([sys.executable, "-c", limited, f"--workdir={finished_run}", f"--out={out}"],
                           cwd=_REPO, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
   assert result.returncode == 2, result.stderr[-4000:]
   assert "Traceback" not in result.stderr, result.stderr[-4000:]
   line = result.stderr.strip().splitlines()[-1]
   assert line == (f"jaxrlvr.export: cannot write the export {out} (File too large, errno 27); an earlier export "
                   "there, if any, is unchanged"), line
-  assert os.listdir(tmp_path) == [] and os.listdir(reference) == before
+  assert os.listdir(tmp_path) == [] and os.listdir(finished_run) == listing
+  assert {name: os.path.getmtime(os.path.join(finished_run, "hf", name))
+          for name in os.listdir(os.path.join(finished_run, "hf"))} == before
 
 
 def test_a_refused_export_at_the_end_of_a_run_says_how_to_write_it_later(monkeypatch, tmp_path):
