@@ -229,7 +229,11 @@ def test_no_recompilation_across_calls(model, small_segments):
                             pad_id=1, **kwargs)
   scheduler.generate(model, _group_prompts(seed=2), rng=jax.random.key(2), temperature=1.0, top_p=0.95,
                             eos_ids=(9,), **kwargs)
+  # Greedy (an evaluation's temperature 0) runs the same compiled programs, and its tokens are the static sampler's.
+  greedy = scheduler.generate(model, prompts, rng=jax.random.key(3), temperature=0.0, top_p=0.95, **kwargs)
   assert dict(engine.TRACE_COUNTS) == before
+  static = rollout.generate(model, prompts, max_new_tokens=_NEW, rng=jax.random.key(4), temperature=0.0)
+  np.testing.assert_array_equal(greedy.tokens, static.tokens)
 
 
 def test_sharded_engine_equals_single_device(model, small_segments):
@@ -255,7 +259,7 @@ def _collectives(mesh, params, graphdef) -> set:
   """The collective ops in the compiled decode chunk of 16 slots on `mesh`."""
   from jaxrlvr import parallel
 
-  spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=_NEW, capacity=56, greedy=False, top_k=0, nucleus=False,
+  spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=_NEW, capacity=56, top_k=0, nucleus=False,
                            chunk_steps=4, mesh=mesh, segment_sizes=(8, 16))
   fns = engine.compiled(spec)
   replicated = lambda x: jax.device_put(x, parallel.replicated(mesh))

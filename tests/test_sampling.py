@@ -110,17 +110,24 @@ def test_stop_tokens_pad_and_lengths(model):
 
 def test_no_recompilation_within_a_bucket(model):
   """Prompts of lengths 5 and 11 both pad to 16: prefill and decode trace once for both batches, also when the
-  temperature, top_p value, stop ids and pad id change (they are traced, not static)."""
+  temperature, top_p value, stop ids and pad id change (they are traced, not static), temperature 0 (greedy, as an
+  evaluation samples) included."""
   before = dict(sampler.TRACE_COUNTS)
   kwargs = dict(max_new_tokens=3, top_k=5)  # a spec no other test uses, so the first call must trace
   rollout.generate(model, [[1, 2, 3, 4, 5], [6, 7]], rng=jax.random.key(0), temperature=1.0, top_p=0.9, **kwargs)
   after_first = dict(sampler.TRACE_COUNTS)
   rollout.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), temperature=0.6, top_p=0.5,
                    eos_ids=(3, 4), pad_id=1, **kwargs)
-  after_second = dict(sampler.TRACE_COUNTS)
+  greedy = rollout.generate(model, [[9] * 11, [1, 2, 3, 4]], rng=jax.random.key(1), temperature=0.0, top_p=0.5,
+                            **kwargs)
+  after_greedy = dict(sampler.TRACE_COUNTS)
   for name in ("prefill", "decode"):
     assert after_first[name] - before.get(name, 0) == 1, name
-    assert after_second[name] == after_first[name], name
+    assert after_greedy[name] == after_first[name], name
+  # The greedy call took the argmax branch: its first token is a most likely one after each prompt.
+  first_logits = model(jnp.asarray([[9] * 11, [0] * 7 + [1, 2, 3, 4]]),
+                       attention_mask=jnp.asarray([[1] * 11, [0] * 7 + [1] * 4]))[:, -1]
+  np.testing.assert_allclose(greedy.logprobs[:, 0], jax.nn.log_softmax(first_logits).max(axis=-1), atol=1e-5)
 
 
 def test_invalid_arguments(model):

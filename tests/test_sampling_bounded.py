@@ -143,7 +143,7 @@ def test_chunked_prefill_bounds_its_temporary_memory(model):
   graphdef, params = nnx.split(model)
 
   def memory(prefill_rows, prefill_tokens):
-    spec = sampler._Spec(graphdef=graphdef, max_new_tokens=8, greedy=False, top_k=0, nucleus=False,
+    spec = sampler._Spec(graphdef=graphdef, max_new_tokens=8, top_k=0, nucleus=False,
                          return_logits=False, mesh=None, prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
     prefill = sampler._compiled(spec)[0]
     stats = prefill.lower(params, ids, ids, jax.ShapeDtypeStruct((8,), bool), rows, controls).compile()

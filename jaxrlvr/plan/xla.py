@@ -116,7 +116,7 @@ def compile_phases(config: Any, mesh: Any, model_config: models.ModelConfig | No
     compiled = rollout.lower_sampler_phases(
         graphdef, params, mesh, use_engine=bool(w.engine), phases=tuple(sampler_phases), max_new_tokens=w.completion_len,
         prompt_len=w.prompt_len, rows_per_shard=w.rollout_rows, prefill_rows_per_shard=w.prefill_rows,
-        capacity=w.seq_len, temperature=r.temperature, top_k=int(r.top_k), top_p=r.top_p,
+        capacity=w.seq_len, top_k=int(r.top_k), top_p=r.top_p,
         prefill_rows_per_device=int(r.prefill_rows_per_device), prefill_chunk_tokens=int(r.prefill_chunk_tokens),
         decode_chunk_steps=int(r.decode_chunk_steps), decode_copy=bool(w.decode_copy),
         compute_dtype=w.model.compute_dtype)

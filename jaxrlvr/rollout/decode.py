@@ -40,17 +40,32 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
   temperature 0 is greedy with temperature-1 log-prob and entropy (see the module docstring).
   """
   uniform = jax.random.uniform(rng, logits.shape[:-1])
-  return sample(logits, uniform, temperature, top_p, greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0)
+  return sample(logits, uniform, temperature, top_p, top_k=top_k, nucleus=top_p < 1.0)
 
 
-def sample(logits: jax.Array, uniform: jax.Array, temperature: Any, top_p: Any, *, greedy: bool, top_k: int,
+def sample(logits: jax.Array, uniform: jax.Array, temperature: Any, top_p: Any, *, top_k: int,
            nucleus: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`sample_logits` given the uniform draw [...] of each row; temperature and top_p may be traced."""
+  """`sample_logits` given the uniform draw [...] of each row; temperature and top_p may be traced.
+
+  Temperature 0 is greedy. A Python number decides that when the function is traced; a traced temperature decides
+  it when it runs (`lax.cond`, one branch executed), so one compiled sampler serves a run's greedy evaluation and its
+  sampled rollouts where their shapes agree, instead of two compiles of the same loop.
+  """
   logits = logits.astype(jnp.float32)
-  if greedy:
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tokens, _take(logp, tokens), _entropy(logp)
+  draw = lambda: _draw(logits, uniform, temperature, top_p, top_k=top_k, nucleus=nucleus)
+  if isinstance(temperature, (int, float, np.number)):
+    return _greedy(logits) if temperature == 0 else draw()
+  return jax.lax.cond(jnp.asarray(temperature) == 0, lambda: _greedy(logits), draw)
+
+
+def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return tokens, _take(logp, tokens), _entropy(logp)
+
+
+def _draw(logits: jax.Array, uniform: jax.Array, temperature: Any, top_p: Any, *, top_k: int,
+          nucleus: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   scaled = logits / jnp.asarray(temperature, jnp.float32)
   vocab = scaled.shape[-1]
   sorted_desc = None  # the kept logits in descending order, when top-k or top-p needs them

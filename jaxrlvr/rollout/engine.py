@@ -80,7 +80,6 @@ class EngineSpec:
   graphdef: Any
   max_new_tokens: int  # N
   capacity: int  # C cache slots per decode slot
-  greedy: bool  # temperature 0
   top_k: int
   nucleus: bool  # top_p < 1
   chunk_steps: int  # decode steps per chunk at most
@@ -267,7 +266,7 @@ def _insert(spec: EngineSpec, params: Any, state: EngineState, ids: jax.Array, p
   logits = flat(per_shard(by_shard(model.logits(last)), source))  # [shards * M, V]
   draw = lambda row: jax.random.uniform(jax.random.fold_in(ctl.rng, row), (n,))
   uniforms = _constrain(spec.mesh, jax.vmap(draw)(row_keys.reshape(-1)))  # [shards * M, N]
-  tok, logp, ent = sample(logits, uniforms[:, 0], ctl.temperature, ctl.top_p, greedy=spec.greedy, top_k=spec.top_k,
+  tok, logp, ent = sample(logits, uniforms[:, 0], ctl.temperature, ctl.top_p, top_k=spec.top_k,
                           nucleus=spec.nucleus)  # [shards * M] each
   stop = jnp.any(tok[:, None] == ctl.stop_ids[None, :], axis=1) | (n == 1)
 
@@ -418,7 +417,7 @@ def _decode_step(spec: EngineSpec, model: Any, o_proj: tuple[jax.Array, ...], st
     x, layer_cache = _layer_step(spec, block, layer_o_proj, x, position, active, reach, layer_cache)
     cache.append(layer_cache)
   logits = model.logits(model.final_norm(x))  # [S, V] float32
-  tok, logp, ent = sample(logits, uniform, ctl.temperature, ctl.top_p, greedy=spec.greedy, top_k=spec.top_k,
+  tok, logp, ent = sample(logits, uniform, ctl.temperature, ctl.top_p, top_k=spec.top_k,
                           nucleus=spec.nucleus)
   stop = jnp.any(tok[:, None] == ctl.stop_ids[None, :], axis=1)
   step = slots.step + active.astype(jnp.int32)

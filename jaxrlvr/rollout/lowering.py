@@ -23,8 +23,8 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
 
 def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: bool = False,
                          phases: tuple[str, ...] = ("prefill", "decode"), max_new_tokens: int, prompt_len: int,
-                         rows_per_shard: int, prefill_rows_per_shard: int, capacity: int, temperature: float,
-                         top_k: int, top_p: float, prefill_rows_per_device: int, prefill_chunk_tokens: int,
+                         rows_per_shard: int, prefill_rows_per_shard: int, capacity: int, top_k: int,
+                         top_p: float, prefill_rows_per_device: int, prefill_chunk_tokens: int,
                          decode_chunk_steps: int, decode_copy: bool, compute_dtype: Any) -> dict[str, Any]:
   """phase -> compiled executable of one sampler call on `mesh`: "prefill" and "decode" of the static sampler, or
   with `use_engine` the rollout engine's insert (its prefill, `prefill_rows_per_shard` prompts a shard) and decode chunk
@@ -37,12 +37,12 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
   if use_engine:
     return _engine_phases(graphdef, params, mesh, phases=phases, max_new_tokens=max_new_tokens,
                           prompt_len=prompt_len, slots=rows_per_shard, prompts=prefill_rows_per_shard,
-                          shards=shards, capacity=capacity, temperature=temperature, top_k=top_k, top_p=top_p,
+                          shards=shards, capacity=capacity, top_k=top_k, top_p=top_p,
                           chunk_steps=decode_chunk_steps, prefill_tokens=prefill_chunk_tokens,
                           decode_copy=decode_copy, compute_dtype=compute_dtype, key=key, replicated=replicated,
                           by_shard=by_shard)
   spec = sampler._Spec(  # pylint: disable=protected-access  (the sampler's own compiled functions)
-      graphdef=graphdef, max_new_tokens=max_new_tokens, greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0,
+      graphdef=graphdef, max_new_tokens=max_new_tokens, top_k=top_k, nucleus=top_p < 1.0,
       return_logits=False, mesh=mesh, prefill_rows=prefill_rows_per_device, prefill_tokens=prefill_chunk_tokens)
   prefill, decode, _ = sampler._compiled(spec)  # pylint: disable=protected-access
   rows = rows_per_shard * shards
@@ -63,12 +63,12 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
 
 
 def _engine_phases(graphdef, params, mesh, *, phases, max_new_tokens, prompt_len, slots, prompts, shards, capacity,
-                   temperature, top_k, top_p, chunk_steps, prefill_tokens, decode_copy, compute_dtype, key,
+                   top_k, top_p, chunk_steps, prefill_tokens, decode_copy, compute_dtype, key,
                    replicated, by_shard) -> dict[str, Any]:
   if decode_copy:
     params = jax.eval_shape(lambda p: engine.decode_layout(p, mesh, compute_dtype), params)
   spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=max_new_tokens, capacity=capacity,
-                           greedy=temperature == 0, top_k=top_k, nucleus=top_p < 1.0, chunk_steps=chunk_steps,
+                           top_k=top_k, nucleus=top_p < 1.0, chunk_steps=chunk_steps,
                            mesh=mesh, prefill_tokens=prefill_tokens)
   fns = engine.compiled(spec)
   controls = engine.Controls(rng=_abstract(key.shape, key.dtype, replicated),

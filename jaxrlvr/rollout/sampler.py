@@ -70,7 +70,6 @@ class _Spec:
   """Everything static about one compiled sampler (with the input shapes, the jit cache key)."""
   graphdef: Any
   max_new_tokens: int
-  greedy: bool  # temperature 0
   top_k: int
   nucleus: bool  # top_p < 1 (the values of temperature and top_p are traced: changing them does not recompile)
   return_logits: bool
@@ -104,7 +103,7 @@ def _record(spec: _Spec, state: _LoopState, logits: jax.Array) -> _LoopState:
   """Samples step `state.step` from `logits` [B, V] and writes it into the outputs."""
   step = state.step
   uniform = jax.lax.dynamic_index_in_dim(state.uniforms, step, axis=1, keepdims=False)  # [B]
-  tok, logp, ent = _sample(logits, uniform, state.temperature, state.top_p, greedy=spec.greedy, top_k=spec.top_k,
+  tok, logp, ent = _sample(logits, uniform, state.temperature, state.top_p, top_k=spec.top_k,
                            nucleus=spec.nucleus)  # [B] each
   active = ~state.done
   tok = jnp.where(active, tok, state.pad_id)
@@ -399,7 +398,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a legacy uint32 key (jax.random.PRNGKey)
     rng = jax.random.wrap_key_data(rng)
   graphdef, params = nnx.split(model)
-  spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), greedy=temperature == 0, top_k=int(top_k),
+  spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), top_k=int(top_k),
                nucleus=top_p < 1.0, return_logits=bool(return_logits), mesh=mesh,
                prefill_rows=int(prefill_rows_per_device), prefill_tokens=int(prefill_chunk_tokens))
   prefill, decode, uncached = _compiled(spec)

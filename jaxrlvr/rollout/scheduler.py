@@ -157,7 +157,7 @@ def _start(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_token
   if mesh is not None and decode_weights == "replicated":
     params = engine.decode_layout(params, mesh, model.config.compute_dtype)
   spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=n, capacity=bucket + n,
-                           greedy=temperature == 0, top_k=int(top_k), nucleus=top_p < 1.0, chunk_steps=int(chunk_steps),
+                           top_k=int(top_k), nucleus=top_p < 1.0, chunk_steps=int(chunk_steps),
                            mesh=mesh, prefill_tokens=int(prefill_chunk_tokens),
                            segment_sizes=(engine.FIRST_SEGMENT, engine.MAX_SEGMENT))
   fns = engine.compiled(spec)
