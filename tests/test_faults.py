@@ -239,9 +239,9 @@ def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(
   for this test alone (~150 of its ~530 CPU-s)."""
   finished_run, _ = finished_smoke_run
   out = tmp_path / "export"
-  before = {name: os.path.getmtime(os.path.join(finished_run, "hf", name))
-            for name in os.listdir(os.path.join(finished_run, "hf"))}
-  listing = os.listdir(finished_run)
+  hf = os.path.join(finished_run, "hf")
+  modified = lambda: {name: os.path.getmtime(os.path.join(hf, name)) for name in os.listdir(hf)}  # the run's export
+  before, listing = modified(), os.listdir(finished_run)
   limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY));"
              " sys.argv[0] = 'export'; runpy.run_module('jaxrlvr.export', run_name='__main__')")
   result = subprocess.run([sys.executable, "-c", limited, f"--workdir={finished_run}", f"--out={out}"],
@@ -252,8 +252,7 @@ def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(
   assert line == (f"jaxrlvr.export: cannot write the export {out} (File too large, errno 27); an earlier export "
                   "there, if any, is unchanged"), line
   assert os.listdir(tmp_path) == [] and os.listdir(finished_run) == listing
-  assert {name: os.path.getmtime(os.path.join(finished_run, "hf", name))
-          for name in os.listdir(os.path.join(finished_run, "hf"))} == before
+  assert modified() == before
 
 
 def test_a_refused_export_at_the_end_of_a_run_says_how_to_write_it_later(monkeypatch, tmp_path):
