@@ -109,10 +109,19 @@ def jaxrlvr_worker(spec: dict, reply) -> None:
   # system's worker waits for its turn (at start-up both load their models at once).
   import update_split  # pylint: disable=g-import-not-at-top
   shapes = trainer.shapes
-  body, head = update_split.forward_flops(run_setup.model_config(config), trainer.state.params, shapes.host_rows,
-                                          shapes.prompt_len + shapes.completion_len, shapes.completion_len,
-                                          trainer.prompt_group)  # each prompt once a group, as the update runs it
-  flops = {"update_flops": 3 * (body + head), "matmul_flops_per_s": 0.0}
+
+  def update_flops(packed_share: float) -> float:
+    """Forward and backward FLOPs of the update as it ran: each prompt once a group, and the answers packed into
+    `packed_share` of the rows where they were (train.pack_completions)."""
+    packed = None
+    if packed_share < 1:
+      packed = (round(packed_share * shapes.host_rows), config.train.pack_max_prompts)
+    body, head = update_split.forward_flops(run_setup.model_config(config), trainer.state.params, shapes.host_rows,
+                                            shapes.prompt_len + shapes.completion_len, shapes.completion_len,
+                                            trainer.prompt_group, packed)
+    return 3 * (body + head)
+
+  flops = {"matmul_flops_per_s": 0.0}
 
   trainer.reward_pool.score = _timed(times, "reward", trainer.reward_pool.score)
   trainer._score = _timed(times, "scoring", trainer._score)  # pylint: disable=protected-access
@@ -135,6 +144,8 @@ def jaxrlvr_worker(spec: dict, reply) -> None:
     groups = trainer.compose(plan, sampled, step)
     trainer.update(plan, sampled, groups, info, collections.Counter())
     step_s = time.perf_counter() - t
+    flops["packed_rows"] = info["update/packed_rows"]
+    flops["update_flops"] = update_flops(info["update/packed_rows"])
     step += 1
     reward_s, scoring_s = times.get("reward", 0.0), times.get("scoring", 0.0)
     flops["matmul_flops_per_s"] = max(flops["matmul_flops_per_s"], update_split.matmul_peak())
@@ -319,11 +330,16 @@ def report(spec: dict, results: dict, evals: dict) -> list[str]:
   for system, steps in results.items():
     if steps and "update_flops" in steps[-1]:
       steady = steps[1:] or steps
-      rate = steps[-1]["update_flops"] / statistics.median(s["update"] for s in steady)
+      rate = statistics.median(s["update_flops"] / s["update"] for s in steady)
+      work = statistics.median(s["update_flops"] for s in steady)
       peak = steps[-1]["matmul_flops_per_s"]
-      lines.append(f"{system}'s update: {steps[-1]['update_flops'] / 1e9:.0f} GFLOP at {rate / 1e9:.0f} GFLOP/s, "
+      lines.append(f"{system}'s update: {work / 1e9:.0f} GFLOP (median step) at {rate / 1e9:.0f} GFLOP/s, "
                    f"{rate / peak:.0%} of its process's 2048^2 float32 matmul ({peak / 1e9:.0f} GFLOP/s, the best "
                    "after any step)")
+      shares = [s["packed_rows"] for s in steady]
+      lines.append(f"{system}'s update rows after packing the answers (train.pack_completions): "
+                   f"{statistics.mean(shares):.0%} of the batch's on average, {sum(x < 1 for x in shares)} of "
+                   f"{len(shares)} steady steps packed")
   timed = [s for s in results if results[s]]
   if set(timed) >= {"jaxrlvr", "trl"}:
     ratio = (statistics.median(s["step_s"] for s in results["jaxrlvr"][1:] or results["jaxrlvr"]) /

@@ -42,16 +42,23 @@ from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
 _MATMUL = 2048
 
 
-def forward_flops(model_config, params, rows: int, length: int, scored: int,
-                  prompt_group: int = 1) -> tuple[float, float]:
+def forward_flops(model_config, params, rows: int, length: int, scored: int, prompt_group: int = 1,
+                  packed: tuple[int, int] | None = None) -> tuple[float, float]:
   """(decoder stack, head) FLOPs of one forward pass over rows x length tokens, the head on the last `scored` of
   each row (the completion: `scoring.score(last=...)`). With `prompt_group` K > 1 the first length - scored tokens
-  (the prompt) run once per K rows (`scoring.score_shared_prompts`)."""
+  (the prompt) run once per K rows (`scoring.score_shared_prompts`); `packed` (packed rows, prompt blocks a row):
+  the completions run packed into that many rows, each attending to its prompt blocks
+  (`scoring.score_packed_completions`)."""
   c = model_config
   unembedding = c.vocab_size * c.hidden_size
   # The input embedding is a gather; with tied embeddings its table is the unembedding, counted once, in the head.
   body = sum(x.size for x in jax.tree.leaves(params)) - unembedding * (1 if c.tie_embeddings else 2)
   per_key = 4 * c.num_heads * c.head_dim * c.num_layers  # q.k and p.v, every key (no causal saving)
+  if packed is not None:
+    (completion_rows, blocks), prompt = packed, length - scored
+    tokens = rows // prompt_group * prompt + completion_rows * scored
+    attention = per_key * (rows // prompt_group * prompt * prompt + completion_rows * scored * (blocks * prompt + scored))
+    return 2.0 * body * tokens + attention, 2.0 * unembedding * completion_rows * scored
   if prompt_group > 1:
     prompt = length - scored
     tokens = rows // prompt_group * prompt + rows * scored

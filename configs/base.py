@@ -145,6 +145,12 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   # batch shards in whole groups (a replayed row of its own, as advantage-priority replay adds, turns it off for
   # that batch); False: every row scores its own copy.
   c.train.share_prompts = True
+  # With shared prompts on one batch shard: the packed row counts the update may take, as fractions of a
+  # micro-batch's rows, each a compiled update of its own. A batch whose answers fit the fewest packs into them
+  # (several answers a row, each after its own prompt; jaxrlvr/packing.py), else into the next, else stays unpacked.
+  # Same loss and gradient up to float rounding. (): off.
+  c.train.pack_completions = ()
+  c.train.pack_max_prompts = 2  # groups whose answers share a packed row, at most (each adds a prompt's keys)
   # Log policy/replayed_grad_share, |grad of the replayed rows' policy loss| / |grad of the loss| (a second backward
   # pass per micro-batch; the comparison's mechanism figure).
   c.train.replayed_grad_share = False
@@ -220,6 +226,9 @@ def _smollm2_135m(c: ml_collections.ConfigDict) -> None:
   # Half the answers stop before 64 tokens (mean 47): the rollout engine's slots free as rows stop, and a step's
   # sampling took 0.87x the static sampler's time (benchmarks/preset_rollout.py; docs/benchmarks.md).
   c.rollout.engine = "continuous"
+  # Half the answers stop early, so a batch's 16 packed into 12 or 13 rows of 64 tokens 70% of the time (two prompts a
+  # row at most): the update took 5.14 or 5.53 s instead of 6.30 (docs/benchmarks.md, "Packed answers").
+  c.train.pack_completions = (0.75, 0.8)
   c.data.eval_size = 200
   c.optim.lr = 1e-5
   c.total_steps = 40
@@ -238,6 +247,8 @@ def _smoke_smollm2_135m(c: ml_collections.ConfigDict) -> None:
   c.rollout.batch_size = 4
   c.rollout.group_size = 2
   c.rollout.max_new_tokens = 16
+  # Two steps do not repay the packed updates' compiles (tests/test_step.py and test_train_replay.py check packing).
+  c.train.pack_completions = ()
 
 
 def _paper_scale(c: ml_collections.ConfigDict) -> None:

@@ -41,13 +41,19 @@ class Ahead:
 
   def __init__(self, fn: Callable, *example_args: Any, name: str = ""):
     self.fn, self.name = fn, name or getattr(fn, "__name__", "function")
-    self._signature = signature(example_args)
-    self._compiled = _POOL.submit(fn.lower(*example_args).compile)
+    self._compiled = {}
     self._warned = False
+    self.add(*example_args)
+
+  def add(self, *example_args: Any) -> None:
+    """Also compiles `fn` for these arguments (another variant the run may call, e.g. a packed update), after
+    the compiles already queued."""
+    self._compiled[signature(example_args)] = _POOL.submit(self.fn.lower(*example_args).compile)
 
   def __call__(self, *args: Any) -> Any:
-    if signature(args) == self._signature:
-      return self._compiled.result()(*args)
+    compiled = self._compiled.get(signature(args))
+    if compiled is not None:
+      return compiled.result()(*args)
     if not self._warned:
       self._warned = True
       logging.info("%s: compiled ahead for other argument shapes than this call's; compiling for them now", self.name)

@@ -117,6 +117,73 @@ def score_shared_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask
   return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
 
 
+def score_packed_completions(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, packing: dict,
+                             unpack: jax.Array, *, group_size: int, prompt_len: int,
+                             chunk_size: int = DEFAULT_CHUNK_SIZE, vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+                             temperature: float = 1.0, keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`score_shared_prompts` of the same rows with their completions packed: a packed row of the completion width
+  holds several completions one after another, each after its own group's prompt, so the body and the head run over
+  the Rp packed rows instead of the R rows (RL answers are ragged: the smollm2-135m preset's fill three quarters of
+  their 64 tokens). Same values up to float rounding, differentiable. The plan comes from the host
+  (`rollout.pack_completions`):
+
+    packing["ids"], ["positions"] [Rp, T] int32: the packed tokens and their RoPE positions (their prompt's length
+      plus their place in their completion);
+    packing["segments"] [Rp, T] int32: each token's completion within its packed row (1, 2, ...; 0: padding);
+    packing["prompts"] [Rp, M] int32: the group whose prompt is the row's prompt block m (M blocks a row);
+    packing["blocks"] [Rp, T] int32: the prompt block each token's completion follows;
+    packing["starts"] [Rp, T] bool: the first token of a completion (read from its prompt's last state);
+    unpack [R, T] int32: where each row's completion token sits in the flat [Rp x T] packed tokens (Rp x T for
+      the padding: log-prob and entropy 0).
+
+  A packed row's keys are its M prompt blocks (from the group's prompt pass, as in `score_shared_prompts`) and then
+  its own tokens; a token sees its own prompt block's real slots and the earlier tokens of its own completion.
+  """
+  rows, length = input_ids.shape
+  width = length - prompt_len
+  groups = rows // group_size
+  prompt_ids = input_ids.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P], one row per group
+  prompt_mask = attention_mask.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P]
+  cache = model.init_cache(groups, prompt_len)
+  prompt_hidden, cache = model.hidden(prompt_ids, attention_mask=prompt_mask, cache=cache, cache_index=0)  # [G, P, D]
+  ids, prompts, blocks = packing["ids"], packing["prompts"], packing["blocks"]
+  packed_rows, num_blocks = prompts.shape
+
+  def per_row(kv: jax.Array) -> jax.Array:
+    """[G, K, P, H] -> [Rp, K, M P + T, H]: each packed row's prompt blocks, then room for its tokens."""
+    kv = jnp.moveaxis(kv[prompts], 1, 2)  # [Rp, K, M, P, H]
+    kv = kv.reshape(packed_rows, kv.shape[1], num_blocks * prompt_len, kv.shape[-1])  # [Rp, K, M P, H]
+    return jnp.pad(kv, ((0, 0), (0, 0), (0, width), (0, 0)))
+
+  mask = _packed_mask(prompt_mask.astype(bool), prompts, blocks, packing["segments"])  # [Rp, T, M P + T]
+  packed_hidden, _ = model.hidden(ids, attention_mask=mask, positions=packing["positions"],
+                                  cache=jax.tree.map(per_row, cache), cache_index=num_blocks * prompt_len)  # [Rp,T,D]
+  # Token t is read from the state before it: for a completion's first token, its prompt's last.
+  prompt_last = prompt_hidden[:, -1][jnp.take_along_axis(prompts, blocks, axis=1)]  # [Rp, T, D]
+  before = jnp.pad(packed_hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [Rp, T, D]
+  hidden = jnp.where(packing["starts"][..., None], prompt_last, before)
+  logp, ent = chunked_logprobs(hidden, model.unembedding(), ids, chunk_size=chunk_size,
+                               vocab_chunk_size=vocab_chunk_size, temperature=temperature,
+                               keep_logits=keep_logits)  # [Rp, T] each
+  zero = jnp.zeros((1,), jnp.float32)
+  return (jnp.concatenate([logp.reshape(-1), zero])[unpack],
+          jnp.concatenate([ent.reshape(-1), zero])[unpack])  # [R, T] each
+
+
+def _packed_mask(prompt_mask: jax.Array, prompts: jax.Array, blocks: jax.Array, segments: jax.Array) -> jax.Array:
+  """[Rp, T, M P + T] bool: packed token t sees the real slots of its own prompt block and the tokens of its own
+  completion up to itself; a padding token sees only itself (no softmax row is empty)."""
+  packed_rows, num_blocks = prompts.shape
+  width = segments.shape[1]
+  real = segments > 0  # [Rp, T]
+  own_block = (blocks[..., None] == jnp.arange(num_blocks)) & real[..., None]  # [Rp, T, M]
+  prompt_part = own_block[..., None] & prompt_mask[prompts][:, None]  # [Rp, T, M, P]
+  causal = jnp.arange(width)[None, :] <= jnp.arange(width)[:, None]  # [T, T]
+  same = (segments[:, :, None] == segments[:, None, :]) & real[..., None]  # [Rp, T, T]
+  completion_part = (causal & same) | jnp.eye(width, dtype=bool)
+  return jnp.concatenate([prompt_part.reshape(packed_rows, width, -1), completion_part], axis=-1)
+
+
 def chunked_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, chunk_size: int,
                      vocab_chunk_size: int, temperature: float = 1.0,
                      keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:

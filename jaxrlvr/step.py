@@ -93,7 +93,14 @@ def completion_logprobs(model, batch: dict, temperature: float, prompt_group: in
   `keep_logits_mb` (the update's `train.keep_logits_mb`): the head keeps its logits for the backward pass where one
   device's [R / batch_shards, T, V] float32 take at most that (`scoring.logits_kept`)."""
   rows, completion_len = batch["completion_mask"].shape
+  if "packing" in batch:  # the completions packed into fewer rows (packing.py)
+    rows = batch["packing"]["ids"].shape[0]
   keep_logits = scoring.logits_kept(rows // batch_shards, completion_len, model.config.vocab_size, keep_logits_mb)
+  if "packing" in batch:
+    return scoring.score_packed_completions(model, batch["input_ids"], batch["attention_mask"], batch["packing"],
+                                            batch["unpack"], group_size=prompt_group,
+                                            prompt_len=batch["input_ids"].shape[1] - completion_len,
+                                            temperature=temperature, keep_logits=keep_logits)
   if prompt_group > 1:
     return scoring.score_shared_prompts(model, batch["input_ids"], batch["attention_mask"], group_size=prompt_group,
                                         prompt_len=batch["input_ids"].shape[1] - completion_len,
@@ -205,7 +212,9 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     input_ids, attention_mask [R, P + T] int32; completion_mask [R, T] (0 for padding rows and dropped rollouts);
     advantages [R, T] f32; behaviour_logp [R, T] f32 (see the module doc); replayed [R] bool;
     clip [R] bool (whether fresh tokens of the row are PPO-clipped); ref_logp [R, T] when loss.kl_coef > 0;
-    old_logp [R, T] f32, needed when train.num_minibatches > 1 (`needs_score_pass`), else optional.
+    old_logp [R, T] f32, needed when train.num_minibatches > 1 (`needs_score_pass`), else optional;
+    packing and unpack: the completions packed into fewer rows (`packing.plan_batch`, with `prompt_group` > 1 and
+    one batch shard), else absent; each packed row count compiles once.
   `old_logp` comes back [R, T]: the batch's, or the log-probs the single optimizer step's forward pass took as pi_old
   (the trainer's log-probs under the parameters the step started from).
   """
@@ -281,8 +290,13 @@ def make_update_fn(graphdef, config: ml_collections.ConfigDict, optimizer: optax
     if "old_logp" not in batch and num_minibatches > 1:
       raise ValueError(f"train.num_minibatches={num_minibatches}: the batch needs old_logp (step.make_score_fn); "
                        "only a single optimizer step takes its own forward pass's log-probs as pi_old")
+    rows = {k: v for k, v in batch.items() if k != "packing"}
     minibatches = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro, prompt_group),
-                               batch)  # [M, n, r, ...]
+                               rows)  # [M, n, r, ...]
+    if "packing" in batch:  # each micro-batch's packed rows follow the one before's (packing.plan_batch)
+      packed_rows = batch["packing"]["ids"].shape[0] // (num_minibatches * num_micro)
+      minibatches["packing"] = jax.tree.map(lambda x: _split_rows(x, num_minibatches, num_micro, packed_rows),
+                                            batch["packing"])  # [M, n, Rp, ...]
     (params, opt_state, skipped), (losses, stats, old_logp) = jax.lax.scan(
         optimizer_step, (state.params, state.opt_state, state.skipped), minibatches)
     metrics = {k: jnp.mean(v) for k, v in losses.items()}  # over the M optimizer steps

@@ -33,6 +33,7 @@ from jaxrlvr import faults
 from jaxrlvr import logs
 from jaxrlvr import multihost
 from jaxrlvr import outputs
+from jaxrlvr import packing
 from jaxrlvr import parallel
 from jaxrlvr import replay
 from jaxrlvr import rewards
@@ -174,6 +175,8 @@ class Trainer:
         self.shapes.rows, group, config, self.batch_shards)
     self.prompt_group = group if shared else 1
     self._update_shared = make_update(prompt_group=group) if shared else None
+    self.packed_rows = packing.row_options(config, shared=shared, batch_shards=self.batch_shards,
+                                           num_hosts=self.num_hosts, micro_rows=self.shapes.micro_rows)
     make_score = functools.partial(step_lib.make_score_fn, self.graphdef,
                                    temperature=config.rollout.temperature or 1.0, batch_sharding=batch_sharding,
                                    max_chunk_rows=self.shapes.micro_rows)
@@ -210,7 +213,12 @@ class Trainer:
     if self.reference is not None:
       batch = {**batch, "ref_logp": logp}
     if shared:
-      self._update_shared = compile_ahead.Ahead(self._update_shared, self.state, batch, name="update")
+      # Packed batches (train.pack_completions) first, fewest rows first: most of a ragged run's batches pack.
+      variants = [{**batch, **packing.example(self.config, rows, rows=self.shapes.rows, sharding=batch_sharding)}
+                  for rows in self.packed_rows] + [batch]
+      self._update_shared = compile_ahead.Ahead(self._update_shared, self.state, variants[0], name="update")
+      for variant in variants[1:]:
+        self._update_shared.add(self.state, variant)
     else:
       self._update = compile_ahead.Ahead(self._update, self.state, batch, name="update")
 
@@ -333,12 +341,22 @@ class Trainer:
     if self._update_shared is not None and not multihost.agree_any(
         not rollout.prompts_shared(host_batch, config.rollout.group_size)):  # every host's batch, or none
       update_fn, score_fn = self._update_shared, self._score_shared
+      packed = packing.plan_batch(
+          host_batch, prompt_len=shapes.prompt_len, group_size=self.prompt_group,
+          num_minibatches=config.train.num_minibatches, num_microbatches=config.train.num_microbatches,
+          packed_row_options=self.packed_rows,
+          max_prompts=config.train.pack_max_prompts) if self.packed_rows else None
+      if packed is not None:  # the answers fit fewer rows: the update runs those (packing.py)
+        host_batch = {**host_batch, **packed}
+    rollout_info["update/packed_rows"] = (host_batch["packing"]["ids"].shape[0] if "packing" in host_batch
+                                          else shapes.rows) / shapes.rows
     batch = parallel.shard_batch(host_batch, self.mesh)
     # Both scored on the batch as built (one compiled scoring pass for both); pi_old only where a later optimizer
     # step needs it, else the update's own forward pass gives it.
-    old_logp = score_fn(self.state.params, batch)[0] if step_lib.needs_score_pass(config) else None
+    rows = {k: v for k, v in batch.items() if k not in ("packing", "unpack")}  # the scoring pass packs nothing
+    old_logp = score_fn(self.state.params, rows)[0] if step_lib.needs_score_pass(config) else None
     if self.reference is not None:
-      batch["ref_logp"], _ = score_fn(self.reference, batch)
+      batch["ref_logp"], _ = score_fn(self.reference, rows)
     if old_logp is not None:
       batch["old_logp"] = old_logp
     if self.history is not None:

@@ -272,3 +272,53 @@ def test_prompt_groups_must_split_into_micro_batches_and_shards():
   assert step_lib.prompt_group_fits(16, 4, config, 2)
   assert not step_lib.prompt_group_fits(16, 4, config, 4)  # 4 groups over 2 micro-batches x 4 shards
   assert not step_lib.prompt_group_fits(16, 1, config, 1)  # a group of one shares nothing
+
+
+@pytest.mark.parametrize("minibatches,micro", [(1, 1), (1, 2), (2, 1)])
+def test_packed_completions_give_the_shared_prompt_update(minibatches, micro):
+  """The same batch with its answers packed into fewer rows (packing.plan_batch: the fewest each micro-batch fits,
+  two prompts a row at most): the SGD step, the metrics and the old log-probs it returns are the unpacked
+  shared-prompt update's; another batch packed into as many rows runs the same compiled update."""
+  from jaxrlvr import packing  # pylint: disable=g-import-not-at-top
+  config = _config(train__num_minibatches=minibatches, train__num_microbatches=micro)
+  mesh = _single_device()
+  batch = _shared_prompt_batch(4)
+  if minibatches > 1:
+    batch["old_logp"] = _batch()["old_logp"]
+  micro_rows = _ROWS // (minibatches * micro)
+  plan_kwargs = dict(prompt_len=_PROMPT, group_size=4, num_minibatches=minibatches, num_microbatches=micro,
+                     packed_row_options=range(1, micro_rows), max_prompts=2)
+  plan = packing.plan_batch(batch, **plan_kwargs)
+  packed_rows = plan["packing"]["ids"].shape[0] // (minibatches * micro)
+  assert packed_rows < micro_rows
+  lr = 1e6
+  results = []
+  graphdef, params = nnx.split(parallel.create_model(_MODEL, mesh, seed=0))
+  optimizer = optax.sgd(lr)
+  update = step_lib.make_update_fn(graphdef, config, optimizer,
+                                   state_sharding=jax.tree.map(lambda x: x.sharding,
+                                                               step_lib.create_state(params, optimizer, mesh)),
+                                   batch_sharding=parallel.batch_sharding(mesh), prompt_group=4)
+  for variant in (batch, {**batch, **plan}):
+    state = step_lib.create_state(jax.tree.map(lambda x: x.copy(), params), optimizer, mesh)
+    new_state, metrics, old_logp = jax.device_get(update(state, parallel.shard_batch(variant, mesh)))
+    grads = jax.tree.map(lambda b, a: (np.asarray(b, np.float64) - np.asarray(a, np.float64)) / lr,
+                         jax.device_get(params), new_state.params)
+    results.append((grads, metrics, old_logp))
+  (want_grads, want_metrics, want_old), (got_grads, got_metrics, got_old) = results
+  _assert_gradients_equal(got_grads, want_grads)
+  np.testing.assert_allclose(got_old, want_old, rtol=0, atol=2e-5)
+  for k in ("loss/policy", "loss/entropy", "optim/grad_norm", "policy/clip_frac_low", "policy/tokens"):
+    np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  # Other answers, packed into the same number of rows: no new compile.
+  other = _shared_prompt_batch(4)
+  lengths = np.random.default_rng(5).integers(1, _COMPLETION + 1, size=_ROWS)
+  other["attention_mask"][:, _PROMPT:] = np.arange(_COMPLETION)[None] < lengths[:, None]
+  other_plan = packing.plan_batch(other, **{**plan_kwargs, "packed_row_options": [packed_rows]})
+  assert other_plan is not None and not np.array_equal(other_plan["unpack"], plan["unpack"])
+  if minibatches > 1:
+    other["old_logp"] = batch["old_logp"]
+  compiled = update._cache_size()  # pylint: disable=protected-access
+  state = step_lib.create_state(jax.tree.map(lambda x: x.copy(), params), optimizer, mesh)
+  jax.block_until_ready(update(state, parallel.shard_batch({**other, **other_plan}, mesh)))
+  assert update._cache_size() == compiled  # pylint: disable=protected-access

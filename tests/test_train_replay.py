@@ -181,3 +181,33 @@ def test_one_optimizer_step_a_batch_skips_the_scoring_pass_and_trains_the_same(t
   for got, want in zip(rows, want_rows, strict=True):
     for key in ("loss/policy", "loss/total", "optim/grad_norm", "policy/fresh/ratio_mean"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_the_loop_packs_ragged_answers_on_the_updates_compiled_ahead(tmp_path, monkeypatch):
+  """GRPO's smoke run on one batch shard (the 8 test devices on the tensor axis) with train.pack_completions: the
+  random policy's answers stop at ragged lengths, so its updates run on fewer rows (update/packed_rows, the
+  packed batch's rows), each on the executable compiled ahead for its row count, and train. That a packed update
+  equals the unpacked one is tests/test_step.py's."""
+  monkeypatch.setattr(math_rewards.MathRewardPool, "score", _biased_coin_score)
+  calls, make_update_fn = [], step_lib.make_update_fn
+
+  def counting_make_update_fn(*args, **kwargs):
+    return _Counted(make_update_fn(*args, **kwargs), lambda path, state, batch: calls.append(
+        (path, batch["packing"]["ids"].shape[0] if "packing" in batch else batch["input_ids"].shape[0])))
+
+  monkeypatch.setattr(step_lib, "make_update_fn", counting_make_update_fn)
+  config = grpo.get_config("smoke")
+  with config.unlocked():
+    config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
+    config.warm_start.steps = 0
+    config.rollout.batch_size = 8  # 32 rows of at most 26 tokens
+    config.total_steps = 2
+    config.eval_every = 100
+    config.mesh.data, config.mesh.tensor = 1, -1
+    config.train.pack_completions = (0.8, 0.9)  # 26 or 29 rows of the 32
+  workdir = str(tmp_path / "packed")
+  train.run(config, workdir)
+  rows = [r for r in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss/policy" in r]
+  assert [r["update/packed_rows"] for r in rows] == [n / 32 for _, n in calls]
+  assert all(n in (26, 29) for _, n in calls) and [path for path, _ in calls] == ["ahead", "ahead"], calls
+  assert all(np.isfinite(r["loss/total"]) and r["optim/grad_norm"] > 0 for r in rows), rows

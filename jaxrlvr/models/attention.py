@@ -87,12 +87,18 @@ def _cudnn_accepts(q_len: int, kv_len: int, dtype: str, head_dim: int) -> bool:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, query_slots: jax.Array, key_mask: jax.Array, *,
            implementation: str, block_size: int) -> jax.Array:
   """q [B, T, N, H], k/v [B, K, S, H], query_slots [T] int32, key_mask [B, S] bool (or int32 segment ids, see
-  `attention_weights_mask`) -> [B, T, N, H] in q's dtype.
+  `attention_weights_mask`) -> [B, T, N, H] in q's dtype. A [B, T, S] bool `key_mask` is the whole mask, used as
+  given: which slots each query sees (the caller allows every query at least one).
 
   `block_size` is the query and key block of "blockwise" (ignored by the others).
   """
   t, s = q.shape[1], k.shape[2]
   chosen = resolve(implementation, q_len=t, kv_len=s, dtype=q.dtype, head_dim=q.shape[-1])
+  if key_mask.ndim == 3:
+    if chosen == "blockwise":
+      raise ValueError("models/attention.py: blockwise attention takes no per-query mask (packed completions); use "
+                       f"attention 'xla' or 'cudnn' for these {t} x {s} scores")
+    return dot_product_attention(q, k, v, key_mask, implementation=chosen)
   if chosen == "blockwise":
     if packed(key_mask):
       raise ValueError("models/attention.py: blockwise attention takes no segment ids (packed rows); use attention "

@@ -274,7 +274,10 @@ class Transformer(nnx.Module):
     """Final-norm hidden states [B, T, D] and the updated cache (None without one).
 
     Without a cache, `attention_mask` is [B, T] over the inputs. With one, it is [B, S] over the cache slots and the
-    inputs are written at slots [cache_index, cache_index + T).
+    inputs are written at slots [cache_index, cache_index + T); or, with `positions`, a boolean [B, T, S]: which
+    slots each input attends to, as given (no causal rule added). Completions packed after shared prompts use it
+    (`scoring.score_packed_completions`): a token sees its own prompt's slots and the earlier tokens of its own
+    completion.
 
     `segment_ids` [B, T] (without a cache, in place of `attention_mask`) packs several sequences into a row, one
     after another: each token's sequence number (1, 2, ...), 0 for padding. A token attends only to the earlier
@@ -297,6 +300,9 @@ class Transformer(nnx.Module):
       cache_index = jnp.asarray(cache_index, jnp.int32)
       num_slots = cache[0]["k"].shape[2]  # [B, K, S, H]
       key_mask = (jnp.ones((b, num_slots), bool) if attention_mask is None else attention_mask.astype(bool))
+      if key_mask.ndim == 3 and (positions is None or key_mask.shape != (b, t, num_slots)):
+        raise ValueError(f"models/transformer.py: a per-input attention_mask {key_mask.shape} must be [B, T, S] = "
+                         f"{(b, t, num_slots)} and come with positions")
       if positions is None:
         if attention_mask is None:
           positions = jnp.broadcast_to(cache_index + jnp.arange(t), (b, t))
