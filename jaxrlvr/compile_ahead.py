@@ -45,10 +45,11 @@ class Ahead:
     self._warned = False
     self.add(*example_args)
 
-  def add(self, *example_args: Any) -> None:
+  def add(self, *example_args: Any) -> concurrent.futures.Future:
     """Also compiles `fn` for these arguments (another variant the run may call, e.g. a packed update), after
-    the compiles already queued."""
-    self._compiled[signature(example_args)] = _POOL.submit(self.fn.lower(*example_args).compile)
+    the compiles already queued; the future says when it is ready."""
+    compiled = self._compiled[signature(example_args)] = _POOL.submit(self.fn.lower(*example_args).compile)
+    return compiled
 
   def __call__(self, *args: Any) -> Any:
     compiled = self._compiled.get(signature(args))

@@ -213,12 +213,11 @@ class Trainer:
     if self.reference is not None:
       batch = {**batch, "ref_logp": logp}
     if shared:
-      # Packed batches (train.pack_completions) first, fewest rows first: most of a ragged run's batches pack.
-      variants = [{**batch, **packing.example(self.config, rows, rows=self.shapes.rows, sharding=batch_sharding)}
-                  for rows in self.packed_rows] + [batch]
-      self._update_shared = compile_ahead.Ahead(self._update_shared, self.state, variants[0], name="update")
-      for variant in variants[1:]:
-        self._update_shared.add(self.state, variant)
+      self._update_shared = compile_ahead.Ahead(self._update_shared, self.state, batch, name="update")
+      # Then the packed updates (train.pack_completions): a batch packs once its row count's update is ready, so the
+      # first step waits for one compile (or load from the cache), as without packing.
+      self._packed_ready = {rows: self._update_shared.add(self.state, {**batch, **packing.example(
+          self.config, rows, rows=self.shapes.rows, sharding=batch_sharding)}) for rows in self.packed_rows}
     else:
       self._update = compile_ahead.Ahead(self._update, self.state, batch, name="update")
 
@@ -344,7 +343,7 @@ class Trainer:
       packed = packing.plan_batch(
           host_batch, prompt_len=shapes.prompt_len, group_size=self.prompt_group,
           num_minibatches=config.train.num_minibatches, num_microbatches=config.train.num_microbatches,
-          packed_row_options=self.packed_rows,
+          packed_row_options=[n for n in self.packed_rows if self._packed_ready[n].done()],
           max_prompts=config.train.pack_max_prompts) if self.packed_rows else None
       if packed is not None:  # the answers fit fewer rows: the update runs those (packing.py)
         host_batch = {**host_batch, **packed}

@@ -35,3 +35,21 @@ def test_the_signature_is_what_an_executable_is_compiled_for_arrays_and_abstract
   assert compile_ahead.signature({"a": x}) != compile_ahead.signature({"b": x})  # another tree
   assert compile_ahead.signature(x) != compile_ahead.signature(jnp.ones((3, 2)))
   assert compile_ahead.signature(jnp.asarray(1.0)) != compile_ahead.signature(1.0 * jnp.ones(()))  # weak type
+
+
+def test_added_variants_compile_after_the_first_and_run_their_executables():
+  traces = []
+
+  @jax.jit
+  def f(x):
+    traces.append(x.shape)
+    return x + 1
+
+  spec = lambda n: jax.ShapeDtypeStruct((n,), jnp.float32, sharding=jnp.ones(1).sharding)
+  ahead = compile_ahead.Ahead(f, spec(8))
+  ready = ahead.add(spec(4))  # a second variant (the trainer's packed updates), queued after the first
+  assert traces == [(8,), (4,)]
+  np.testing.assert_array_equal(ahead(jnp.ones(4)), np.full(4, 2.0))
+  assert ready.done()
+  np.testing.assert_array_equal(ahead(jnp.ones(8)), np.full(8, 2.0))
+  assert traces == [(8,), (4,)]  # both calls ran what was compiled ahead

@@ -9,6 +9,7 @@ the 8-device test mesh.
 The loop's scoring pass of the update batch (old log-probs) runs only where a later optimizer step of the batch needs
 it; with one optimizer step a batch the update's own forward pass gives pi_old, with the same parameters after.
 """
+import concurrent.futures
 import importlib
 import json
 import os
@@ -20,6 +21,7 @@ import pytest
 import safetensors.numpy
 
 from configs import grpo
+from jaxrlvr import compile_ahead
 from jaxrlvr import outputs
 from jaxrlvr import rollout
 from jaxrlvr import step as step_lib
@@ -186,8 +188,9 @@ def test_one_optimizer_step_a_batch_skips_the_scoring_pass_and_trains_the_same(t
 def test_the_loop_packs_ragged_answers_on_the_updates_compiled_ahead(tmp_path, monkeypatch):
   """GRPO's smoke run on one batch shard (the 8 test devices on the tensor axis) with train.pack_completions: the
   random policy's answers stop at ragged lengths, so its updates run on fewer rows (update/packed_rows, the
-  packed batch's rows), each on the executable compiled ahead for its row count, and train. That a packed update
-  equals the unpacked one is tests/test_step.py's."""
+  packed batch's rows), each on the executable compiled ahead for its row count, and train. The compiles run at
+  once here: a run packs from the step its packed update is ready (before that, the unpacked one runs). That a
+  packed update equals the unpacked one is tests/test_step.py's."""
   monkeypatch.setattr(math_rewards.MathRewardPool, "score", _biased_coin_score)
   calls, make_update_fn = [], step_lib.make_update_fn
 
@@ -196,6 +199,14 @@ def test_the_loop_packs_ragged_answers_on_the_updates_compiled_ahead(tmp_path, m
         (path, batch["packing"]["ids"].shape[0] if "packing" in batch else batch["input_ids"].shape[0])))
 
   monkeypatch.setattr(step_lib, "make_update_fn", counting_make_update_fn)
+
+  class AtOnce:
+    def submit(self, fn, *args):
+      done = concurrent.futures.Future()
+      done.set_result(fn(*args))
+      return done
+
+  monkeypatch.setattr(compile_ahead, "_POOL", AtOnce())
   config = grpo.get_config("smoke")
   with config.unlocked():
     config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the embedded tokenizer's cache
