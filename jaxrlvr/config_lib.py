@@ -121,6 +121,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check(t.num_minibatches >= 1, "train.num_minibatches", t.num_minibatches, "must be at least 1")
   _check(t.num_microbatches >= 1, "train.num_microbatches", t.num_microbatches, "must be at least 1")
   _check(t.keep_logits_mb >= 0, "train.keep_logits_mb", t.keep_logits_mb, "must be >= 0 (0: always recompute)")
+  _check(all(isinstance(f, (int, float)) and 0 < f < 1 for f in t.pack_completions), "train.pack_completions",
+         t.pack_completions, "packed row counts are fractions of a micro-batch's rows, each in (0, 1); (): off")
+  _check(t.pack_max_prompts >= 1, "train.pack_max_prompts", t.pack_max_prompts, "must be at least 1")
   _check(c.eval.num_samples >= 0, "eval.num_samples", c.eval.num_samples, "must be >= 0 (0: no DIR/samples.jsonl)")
   rows = r.batch_size * r.group_size
   _check(rows % (t.num_minibatches * t.num_microbatches) == 0, "train.num_microbatches", t.num_microbatches,
