@@ -38,7 +38,7 @@ def test_unknown_config_arg_names_the_key():
     ("replay.bucket_scale", "log", "replay.bucket_scale='log'"),
     ("train.num_microbatches", 3, "train.num_microbatches=3"),
     ("train.keep_logits_mb", -1.0, "train.keep_logits_mb=-1.0"),
-    ("train.pack_completions", (0.75, 1.0), r"train.pack_completions=\(0.75, 1.0\)"),
+    ("train.pack_completions", (0.75, 1.0), "train.pack_completions=(0.75, 1.0)"),
     ("train.pack_max_prompts", 0, "train.pack_max_prompts=0"),
     ("rollout.temperature", -1.0, "rollout.temperature=-1.0"),
 ])
