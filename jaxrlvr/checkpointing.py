@@ -96,7 +96,7 @@ def _flatten_config(config: dict, prefix: str = "") -> dict:
     if isinstance(v, dict):
       out.update(_flatten_config(v, f"{prefix}{k}."))
     else:
-      out[prefix + k] = v
+      out[prefix + k] = list(v) if isinstance(v, tuple) else v  # as config.json holds it
   return out
 
 

@@ -126,8 +126,11 @@ def test_peer_grpo_benchmark_checks_parity_interleaves_and_reports_both_systems(
   assert all(float(x) > 0 for r in rows.values() for x in (r[1], r[2], r[7], r[8])), result.stdout
   assert float(rows["jaxrlvr"][5]) == 0 and float(rows["trl"][5]) == 0, result.stdout  # one optimizer step: no pass
   assert any(re.fullmatch(r"steady step jaxrlvr / trl: \d+\.\d\d", line) for line in lines), result.stdout
-  assert any(re.fullmatch(r"jaxrlvr's update: \d+ GFLOP at \d+ GFLOP/s, \d+% of its process's 2048\^2 float32 matmul "
-                          r"\(\d+ GFLOP/s, the best after any step\)", line) for line in lines), result.stdout
+  assert any(re.fullmatch(r"jaxrlvr's update: \d+ GFLOP \(median step\) at \d+ GFLOP/s, \d+% of its process's "
+                          r"2048\^2 float32 matmul \(\d+ GFLOP/s, the best after any step\)", line)
+             for line in lines), result.stdout
+  assert any(re.fullmatch(r"jaxrlvr's update rows after packing the answers \(train.pack_completions\): \d+% of the "
+                          r"batch's on average, \d+ of \d+ steady steps packed", line) for line in lines), result.stdout
   for system in ("jaxrlvr", "trl"):
     assert any(line.startswith(f"{system}: held-out greedy accuracy") and "(4 questions)" in line
                for line in lines), result.stdout

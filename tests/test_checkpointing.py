@@ -1,5 +1,7 @@
 """Checkpoints: host state packs losslessly, a failed write leaves the last good step, resumption-breaking changes
 are named."""
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,6 +39,14 @@ def test_incompatible_changes_name_the_key_and_allow_schedule_keys():
   saved = {"total_steps": 10, "rollout": {"group_size": 8}, "mesh": {"data": 8}}
   current = {"total_steps": 20, "rollout": {"group_size": 4}, "mesh": {"data": 4}}
   assert checkpointing.incompatible_changes(saved, current) == ["rollout.group_size: 8 -> 4"]
+
+
+def test_a_tuple_equals_the_list_config_json_saved_it_as():
+  saved = json.loads(json.dumps({"total_steps": 4, "train": {"pack_completions": (), "x": (0.5, 1)}}))  # lists
+  current = {"total_steps": 4, "train": {"pack_completions": (), "x": (0.5, 1)}}
+  assert checkpointing.refused_changes(saved, current, step=4) == []  # a finished run, every key compared
+  assert checkpointing.refused_changes(saved, {**current, "train": {"pack_completions": (), "x": (0.5, 2)}},
+                                       step=4) == ["train.x: [0.5, 1] -> [0.5, 2]"]
 
 
 def test_a_checkpoint_resumes_only_with_the_process_count_that_wrote_it(tmp_path):
