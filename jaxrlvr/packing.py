@@ -5,8 +5,9 @@ quarter of the update's completion slots are padding that the body and the head 
 the completion width holds several answers one after another, each after its own group's prompt (at most
 `max_prompts` groups a row), and the update runs over fewer rows: `train.pack_completions` lists the packed row
 counts it may use, as fractions of a micro-batch's rows; a batch takes the smallest that fits and the unpacked
-update otherwise. Each count is one more compiled update, so a few. The log-probs, the loss and the gradient are
-those of the unpacked update up to float rounding.
+update otherwise. Each count is one more compiled update, so a few; the trainer compiles them ahead, after the
+unpacked one, and packs into a count once its update is ready. The log-probs, the loss and the gradient are those
+of the unpacked update up to float rounding.
 
 Plans are made per micro-batch, on the rows that `step.make_update_fn` gives it, by first-fit decreasing: the
 longest answers first, each into the first packed row with room for it and for its prompt. Only on one batch shard:
