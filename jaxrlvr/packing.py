@@ -81,7 +81,7 @@ def plan_micro_batch(input_ids: np.ndarray, attention_mask: np.ndarray, *, promp
   width = length - prompt_len
   answer_lengths = attention_mask[:, prompt_len:].sum(axis=1)
   prompt_lengths = attention_mask[:, :prompt_len].sum(axis=1)
-  free = []  # per packed row: free slots, its groups in block order, its answers
+  free = []  # per packed row: [free slots, its groups in prompt-block order]
   place = {}  # row -> (packed row, offset of its answer)
   for row in sorted(range(rows), key=lambda r: -answer_lengths[r]):  # stable: equal lengths in row order
     size, group = int(answer_lengths[row]), row // group_size

@@ -125,7 +125,7 @@ def score_packed_completions(model: nnx.Module, input_ids: jax.Array, attention_
   holds several completions one after another, each after its own group's prompt, so the body and the head run over
   the Rp packed rows instead of the R rows (RL answers are ragged: the smollm2-135m preset's fill three quarters of
   their 64 tokens). Same values up to float rounding, differentiable. The plan comes from the host
-  (`rollout.pack_completions`):
+  (`packing.plan_batch`):
 
     packing["ids"], ["positions"] [Rp, T] int32: the packed tokens and their RoPE positions (their prompt's length
       plus their place in their completion);
