@@ -93,11 +93,7 @@ def score_shared_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask
   if group_size < 1 or rows % group_size or not 1 <= prompt_len < length:
     raise ValueError(f"scoring.py: {rows} rows of {length} tokens do not split into groups of {group_size} with a "
                      f"prompt of {prompt_len} tokens")
-  groups = rows // group_size
-  prompt_ids = input_ids.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P], one row per group
-  prompt_mask = attention_mask.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P]
-  cache = model.init_cache(groups, prompt_len)
-  prompt_hidden, cache = model.hidden(prompt_ids, attention_mask=prompt_mask, cache=cache, cache_index=0)  # [G, P, D]
+  _, prompt_hidden, cache = _group_prompts(model, input_ids, attention_mask, group_size, prompt_len)
 
   def per_row(kv: jax.Array) -> jax.Array:
     """[G, K, P, H] -> [R, K, P + T, H]: each row's cache holds its group's prompt, then room for its completion."""
@@ -115,6 +111,19 @@ def score_shared_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask
                                keep_logits=keep_logits)  # [R, T] each
   keep = attention_mask[:, prompt_len:].astype(bool)
   return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
+
+
+def _group_prompts(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, group_size: int,
+                   prompt_len: int) -> tuple[jax.Array, jax.Array, Any]:
+  """Each group's prompt (the first `prompt_len` columns of its first row) through the model once: its mask
+  [G, P], its hidden states [G, P, D] and its KV cache ([G, K, P, H] a layer)."""
+  rows, length = input_ids.shape
+  groups = rows // group_size
+  prompt_ids = input_ids.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P], one row per group
+  prompt_mask = attention_mask.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P]
+  cache = model.init_cache(groups, prompt_len)
+  prompt_hidden, cache = model.hidden(prompt_ids, attention_mask=prompt_mask, cache=cache, cache_index=0)  # [G, P, D]
+  return prompt_mask, prompt_hidden, cache
 
 
 def score_packed_completions(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, packing: dict,
@@ -139,13 +148,8 @@ def score_packed_completions(model: nnx.Module, input_ids: jax.Array, attention_
   A packed row's keys are its M prompt blocks (from the group's prompt pass, as in `score_shared_prompts`) and then
   its own tokens; a token sees its own prompt block's real slots and the earlier tokens of its own completion.
   """
-  rows, length = input_ids.shape
-  width = length - prompt_len
-  groups = rows // group_size
-  prompt_ids = input_ids.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P], one row per group
-  prompt_mask = attention_mask.reshape(groups, group_size, length)[:, 0, :prompt_len]  # [G, P]
-  cache = model.init_cache(groups, prompt_len)
-  prompt_hidden, cache = model.hidden(prompt_ids, attention_mask=prompt_mask, cache=cache, cache_index=0)  # [G, P, D]
+  width = input_ids.shape[1] - prompt_len
+  prompt_mask, prompt_hidden, cache = _group_prompts(model, input_ids, attention_mask, group_size, prompt_len)
   ids, prompts, blocks = packing["ids"], packing["prompts"], packing["blocks"]
   packed_rows, num_blocks = prompts.shape
 

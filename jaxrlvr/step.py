@@ -93,10 +93,11 @@ def completion_logprobs(model, batch: dict, temperature: float, prompt_group: in
   `keep_logits_mb` (the update's `train.keep_logits_mb`): the head keeps its logits for the backward pass where one
   device's [R / batch_shards, T, V] float32 take at most that (`scoring.logits_kept`)."""
   rows, completion_len = batch["completion_mask"].shape
-  if "packing" in batch:  # the completions packed into fewer rows (packing.py)
+  packed = "packing" in batch  # the completions packed into fewer rows (packing.py): the head runs over those
+  if packed:
     rows = batch["packing"]["ids"].shape[0]
   keep_logits = scoring.logits_kept(rows // batch_shards, completion_len, model.config.vocab_size, keep_logits_mb)
-  if "packing" in batch:
+  if packed:
     return scoring.score_packed_completions(model, batch["input_ids"], batch["attention_mask"], batch["packing"],
                                             batch["unpack"], group_size=prompt_group,
                                             prompt_len=batch["input_ids"].shape[1] - completion_len,
