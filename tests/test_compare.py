@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import light_compile
 from jaxrlvr import compare
 from jaxrlvr import outputs
 from jaxrlvr.compare import plots
@@ -285,10 +286,12 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
          "--arms=grpo,exgrpo-no_shaping,sft", f"--outdir={outdir}",
          f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2",
          "--override=warm_start.steps=30"]
-  # One CPU device at LLVM's default level, as a user runs it. The arms train the preset's own warm start first (its
-  # data differ from the smoke configs'): 30 steps instead of the smoke configs' 300, since nothing here reads how
-  # well it answers (the 300 took 28-82 s of this test's time on 2 cores).
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  # One CPU device, compiled light (tests/light_compile.py; the tool passes the flags on to its arms): each arm runs
+  # a few steps of programs no other test compiles, so compiling is most of its cost, and nothing here reads a
+  # timing or a figure the flags change (81 -> 64 CPU-s for this command on 2 cores). The arms train the preset's own
+  # warm start first (its data differ from the smoke configs'): 30 steps instead of the smoke configs' 300, since
+  # nothing here reads how well it answers (the 300 took 28-82 s of this test's time on 2 cores).
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {light_compile.FLAGS}")
   first = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0, first.stderr[-4000:]
   assert "compare: grpo-s0: training to step 4" in first.stdout

@@ -194,6 +194,21 @@ def test_unsupported_architecture_and_missing_file_stop_in_one_line(tmp_path, ca
   assert "not a readable GGUF file" in capsys.readouterr().err
 
 
+def test_a_conversion_parses_each_gguf_file_once_and_restores_the_gguf_module(tmp_path):
+  """transformers parses the file for the config, the tokenizer and the weights; inside a conversion those share one
+  reader (the real conversion, which must still equal transformers' model, is the tests above)."""
+  gguf = pytest.importorskip("gguf")
+  path = _tiny_gguf(str(tmp_path / "tiny.gguf"), "llama")
+  real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+  with convert._each_file_parsed_once():  # pylint: disable=protected-access
+    first = gguf.GGUFReader(path)
+    assert gguf.GGUFReader(os.path.relpath(path)) is first  # the same file, named another way
+    assert first.fields["general.architecture"].contents() == "llama"
+    assert gguf.GGUFReader(str(_tiny_gguf(str(tmp_path / "other.gguf"), "qwen2"))) is not first
+    assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+  assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_name_map)
+
+
 def test_processes_that_start_together_convert_once(tmp_path, monkeypatch):
   """Two first uses at once (a test run's workers, the arms of compare --parallel=2): one converts while the other
   waits on the lock and then reads its directory."""
