@@ -31,6 +31,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pytest_configure for the jobs tests start.
 _POOL_CHOSEN_BY_USER = "PJRT_NPROC" in os.environ
 xla_cpu.setup_process()  # and on the CPU, a malloc that keeps freed memory, as the main job has
+# Two workers share two cores, so a second thread for a PyTorch op (transformers, the peers' models) costs CPU time the
+# other worker needed: transformers' greedy answers for the SmolLM2 export took 7.1 CPU-s with torch's two threads,
+# 3.9 with one, in 3.7 against 4.0 s of wall alone. XLA:CPU does not read the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One warm-start cache for every end-to-end test of a session (train, compare, notebooks): the smoke warm start is
