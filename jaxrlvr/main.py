@@ -11,7 +11,14 @@ the run's key or model, or is down with exprl.judge.on_failure='error'; replay.Q
 every question the run draws from). Any other exception is a bug and keeps its traceback. SIGTERM and Ctrl-C save
 the step in flight and exit 0 and 130 (faults.py).
 """
-import importlib.util
+import gc
+
+if __name__ == "__main__":
+  # No cyclic GC while the libraries import: a full collection re-scans every object imported so far, and all of them
+  # live until the job ends (`_long_lived_objects_frozen` turns it back on).
+  gc.disable()
+
+import importlib.util  # pylint: disable=g-import-not-at-top,wrong-import-position  (after gc.disable)
 import os
 import re
 import sys
@@ -59,6 +66,7 @@ def main(argv):
     from jaxrlvr import train  # pylint: disable=g-import-not-at-top
     parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                     heartbeat_timeout_s=_HEARTBEAT.value)
+    _long_lived_objects_frozen()
     train.run(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, data_lib.DataError, faults.RunError, rewards.JudgeError,
           replay.QuestionsExhausted) as e:
@@ -68,6 +76,16 @@ def main(argv):
   except Exception as e:  # pylint: disable=broad-except
     exit_if_peer_lost(e)
     raise
+
+
+def _long_lived_objects_frozen() -> None:
+  """The libraries, imported by now, leave Python's cyclic GC (`gc.freeze`), and its youngest generation is collected
+  every 20,000 allocations instead of 700: tracing and lowering allocate millions of short-lived objects, and every
+  collection re-scanned what survived. grpo's smoke command with its programs cached spent 1.0-1.2 s of its 7.2-8.3
+  CPU-s collecting, 0.13-0.22 s after (the command 6.3-7.2 CPU-s; four interleaved runs each, jax 0.10.2)."""
+  gc.freeze()
+  gc.set_threshold(20_000, 20, 20)
+  gc.enable()
 
 
 def use_compilation_cache(path: str, environ=os.environ) -> str:
