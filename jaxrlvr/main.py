@@ -15,7 +15,7 @@ import gc
 
 if __name__ == "__main__":
   # No cyclic GC while the libraries import: a full collection re-scans every object imported so far, and all of them
-  # live until the job ends (`_long_lived_objects_frozen` turns it back on).
+  # live until the job ends (`_freeze_long_lived_objects` turns it back on).
   gc.disable()
 
 import importlib.util  # pylint: disable=g-import-not-at-top,wrong-import-position  (after gc.disable)
@@ -66,7 +66,7 @@ def main(argv):
     from jaxrlvr import train  # pylint: disable=g-import-not-at-top
     parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                     heartbeat_timeout_s=_HEARTBEAT.value)
-    _long_lived_objects_frozen()
+    _freeze_long_lived_objects()
     train.run(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, data_lib.DataError, faults.RunError, rewards.JudgeError,
           replay.QuestionsExhausted) as e:
@@ -78,11 +78,12 @@ def main(argv):
     raise
 
 
-def _long_lived_objects_frozen() -> None:
+def _freeze_long_lived_objects() -> None:
   """The libraries, imported by now, leave Python's cyclic GC (`gc.freeze`), and its youngest generation is collected
-  every 20,000 allocations instead of 700: tracing and lowering allocate millions of short-lived objects, and every
-  collection re-scanned what survived. grpo's smoke command with its programs cached spent 1.0-1.2 s of its 7.2-8.3
-  CPU-s collecting, 0.13-0.22 s after (the command 6.3-7.2 CPU-s; four interleaved runs each, jax 0.10.2)."""
+  after 20,000 net allocations instead of 700: tracing and lowering allocate millions of short-lived objects, and
+  every collection re-scanned what survived. grpo's smoke command with its programs cached spent 1.0-1.2 s of its
+  7.2-8.3 CPU-s collecting, 0.13-0.22 s after (the command 6.3-7.2 CPU-s; four interleaved runs each, jax 0.10.2).
+  The few cycles the imports left as garbage stay: collecting them first would cost the full scan this avoids."""
   gc.freeze()
   gc.set_threshold(20_000, 20, 20)
   gc.enable()

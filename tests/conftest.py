@@ -60,10 +60,10 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):  # pylint: disable=unused-argument
   """What collection imported (jax, flax, transformers, torch, the test modules) lives until the process ends, so it
-  leaves the cyclic GC, and the youngest generation is collected every 20,000 allocations instead of 700, as the main
-  command does (jaxrlvr/main.py, `_long_lived_objects_frozen`): tracing allocates millions of short-lived objects.
-  test_step, test_engine and test_scoring in one process, their programs cached: 53.3-53.4 CPU-s, 6.6-6.9 of them
-  collecting, against 47.8-47.9 and 2.2."""
+  leaves the cyclic GC, and the youngest generation is collected after 20,000 net allocations instead of 700, as
+  the main command does (jaxrlvr/main.py, `_freeze_long_lived_objects`): tracing allocates millions of short-lived
+  objects. test_step, test_engine and test_scoring in one process, their programs cached: 53.3-53.4 CPU-s, 6.6-6.9
+  of them collecting, against 47.8-47.9 and 2.2."""
   gc.freeze()
   gc.set_threshold(20_000, 20, 20)
 
