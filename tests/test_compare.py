@@ -207,6 +207,9 @@ def test_train_command_runs_one_device_per_run():
   env = compare.run_env(threads=1)
   assert "--xla_force_host_platform_device_count=1" in env["XLA_FLAGS"].split()
   assert "--xla_force_host_platform_device_count=8" not in env["XLA_FLAGS"]
+  # XLA reads a first entry without "--" as a file of flags and ignores a later one: every entry is a flag.
+  assert all(flag.startswith("--") for flag in env["XLA_FLAGS"].split()), env["XLA_FLAGS"]
+  assert env["NPROC"] == "1"
   with pytest.raises(ValueError, match="no_such_method"):
     compare.method_config("no_such_method")
 

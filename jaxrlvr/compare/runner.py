@@ -105,10 +105,11 @@ def run_env(threads: int) -> dict:
   xla = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
   xla.append("--xla_force_host_platform_device_count=1")
   if threads == 1:
-    xla += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+    xla.append("--xla_cpu_multi_thread_eigen=false")
   env["XLA_FLAGS"] = " ".join(xla)
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
+  # NPROC: the CPU client's thread pool (jaxrlvr/xla_cpu.py), the cores when unset.
+  for var in ("NPROC", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
     env[var] = str(threads)
   env["PYTHONUNBUFFERED"] = "1"
   return env
