@@ -4,6 +4,8 @@ import json
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -12,6 +14,7 @@ import pytest
 # One directory per test run for what its xdist workers and the jobs tests start in subprocesses share: the
 # controller (which loads this file first, from testpaths) picks it, the workers inherit it, and the controller
 # removes it at the end. A new one each run, so a run never reads what an older jax or older code made.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN_DIR = os.environ.setdefault("JAXRLVR_TEST_RUN_DIR", os.path.join(
     tempfile.gettempdir(), f"jaxrlvr-test-run-{os.getuid()}-{os.getpid()}"))
 # In it, a persistent XLA compilation cache: most tests build the same tiny models and steps, so each function
@@ -83,6 +86,39 @@ def finished_smoke_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("finished") / "run")
   train.run(config, workdir)
   return workdir, config
+
+
+# The smoke configs' warm start as `main` makes it (run_setup.build_policy), in a job of its own.
+_TRAIN_SMOKE_WARM_START = """
+import sys
+from configs import grpo
+from jaxrlvr import run_setup, xla_cpu
+xla_cpu.setup_process()
+config = grpo.get_config("smoke")
+config.warm_start.cache_dir = sys.argv[1]
+config, mesh = run_setup.prepare(config)
+run_setup.build_policy(config, mesh, run_setup.load_data(config).book)
+"""
+
+
+@pytest.fixture(scope="session")
+def smoke_warm_start():
+  """The cache directory holding the smoke configs' warm start (600 supervised steps; every method's smoke run and
+  the own-data tests load the same one), trained at most once a test run, before the first job that loads it: in a
+  job of its own on one device at XLA's default flags, as a user's first smoke run trains it. The jobs tests start
+  compile light (tests/light_compile.py), which would run its steps about 2x slower. A test whose job loads the warm
+  start asks for this fixture; the first worker to ask trains it (or finds it cached), the other waits."""
+  cache = os.environ["JAXRLVR_WARM_START_CACHE"]
+  done = os.path.join(_RUN_DIR, "smoke-warm-start")
+  from jaxrlvr import file_lock  # pylint: disable=g-import-not-at-top
+  with file_lock.one_writer(done, "the smoke warm start"):
+    if not os.path.exists(done):
+      env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+      result = subprocess.run([sys.executable, "-c", _TRAIN_SMOKE_WARM_START, cache], cwd=_REPO, env=env,
+                              capture_output=True, text=True, timeout=900)
+      assert result.returncode == 0, result.stderr[-4000:]
+      open(done, "w", encoding="utf-8").close()
+  return cache
 
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument

@@ -1,5 +1,5 @@
-"""XLA flags for test processes that compile much and run little: the test workers (tests/conftest.py), and the jobs
-tests start where their figures are not what is checked (several processes on localhost, the benchmarks' harness).
+"""XLA flags for test processes that compile much and run little: the test workers (tests/conftest.py) and the jobs
+tests start (`job_env`), whose figures are not what a test checks.
 
 - LLVM's optimisation level 0 compiles about a third faster and runs the code about 2x slower (the tiny model's
   warm-start step: 133 ms -> 300 ms on one core, jax 0.10.2), a net gain of ~10% on the suite;
@@ -8,10 +8,18 @@ tests start where their figures are not what is checked (several processes on lo
   779 -> 561; the benchmarks' harness tests 158 -> 87, 2026-12-05). At XLA's default level they compile 2x slower
   instead, so the main job keeps XLA's defaults.
 
-Jobs a test starts as a user runs them (the main command's smoke runs) set only their device count: there these flags
-save little (tests/test_train.py: 268 CPU-s with them, 267 without; five files of such jobs 357 against 375, where
-ExpRL's smoke job, whose judge decodes, took 35 against 27), and a job that trains the shared warm start would run
-its 600 steps twice as slowly. The comparison's CLI test passes them: its arms run a few steps of programs no other
-test compiles (81 -> 64 CPU-s).
+A smoke main command whose programs are not yet in the test run's compilation cache: 21.3 CPU-s at XLA's defaults,
+11.6-12.2 with these flags (grpo; exgrpo 22.2 against 12.1); one whose programs are cached: 7.5 against 8.0-8.3
+(2026-12-06). Two jobs keep XLA's defaults, because they mostly run: the smoke warm start (600 supervised steps,
+conftest.py's `smoke_warm_start`, trained before the jobs that load it) and the smollm2-135m RL run.
 """
+import os
+
 FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def job_env(devices: int = 1, **extra: str) -> dict:
+  """The environment of a job a test starts (a main command, a benchmark's harness): this process's, on `devices`
+  CPU devices, compiled light."""
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FLAGS}", JAX_PLATFORMS="cpu",
+              **extra)

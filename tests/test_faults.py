@@ -27,6 +27,7 @@ import time
 import numpy as np
 import pytest
 
+import light_compile
 from jaxrlvr import faults
 from jaxrlvr import outputs
 from jaxrlvr.rewards import judge as judge_lib
@@ -44,18 +45,14 @@ def _command(workdir, *extra):
           f"--config.warm_start.cache_dir={os.environ['JAXRLVR_WARM_START_CACHE']}", *_OVERRIDES, *extra]
 
 
-def _env():
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-
-
 def _run(workdir, *extra):
-  return subprocess.run(_command(workdir, *extra), cwd=_REPO, env=_env(), capture_output=True, text=True,
-                        timeout=_TIMEOUT_S)
+  return subprocess.run(_command(workdir, *extra), cwd=_REPO, env=light_compile.job_env(), capture_output=True,
+                        text=True, timeout=_TIMEOUT_S)
 
 
 def _start(workdir, *extra):
-  return subprocess.Popen(_command(workdir, *extra), cwd=_REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(_command(workdir, *extra), cwd=_REPO, env=light_compile.job_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _rows(workdir):
@@ -86,8 +83,9 @@ def _logged(workdir, step):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, smoke_warm_start):
   """The uninterrupted run: checkpoints at steps 2 and 4."""
+  del smoke_warm_start  # trained first; the command names its cache (JAXRLVR_WARM_START_CACHE)
   workdir = str(tmp_path_factory.mktemp("reference") / "run")
   result = _run(workdir)
   assert result.returncode == 0, result.stderr[-4000:]
@@ -147,6 +145,7 @@ def _signal_script(tmp_path, save_s):
 
 
 @pytest.mark.slow  # a whole main command
+@pytest.mark.usefixtures("smoke_warm_start")
 def test_sigint_exits_130_and_a_second_signal_ends_the_save_at_once(tmp_path):
   proc = _signal_script(tmp_path, 0.0)
   proc.send_signal(signal.SIGINT)
@@ -244,8 +243,8 @@ def test_an_export_the_disk_refuses_is_one_line_and_leaves_nothing_half_written(
   before, listing = modified(), os.listdir(finished_run)
   limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY));"
              " sys.argv[0] = 'export'; runpy.run_module('jaxrlvr.export', run_name='__main__')")
-  result = subprocess.run([sys.executable, "-c", limited, f"--workdir={finished_run}", f"--out={out}"],
-                          cwd=_REPO, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
+  result = subprocess.run([sys.executable, "-c", limited, f"--workdir={finished_run}", f"--out={out}"], cwd=_REPO,
+                          env=light_compile.job_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
   assert result.returncode == 2, result.stderr[-4000:]
   assert "Traceback" not in result.stderr, result.stderr[-4000:]
   line = result.stderr.strip().splitlines()[-1]
@@ -322,6 +321,7 @@ def test_checkpoints_that_cannot_be_read_fall_back_then_stop(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("smoke_warm_start")
 def test_a_run_whose_loss_stays_nonfinite_stops_naming_the_step_and_metric(tmp_path):
   workdir = str(tmp_path / "run")
   # A learning rate no float32 survives: the first update makes the parameters huge, every later loss is NaN.

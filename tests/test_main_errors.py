@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import light_compile
 from jaxrlvr import checkpointing
 from jaxrlvr import config_lib
 from jaxrlvr import outputs
@@ -20,8 +21,7 @@ _TIMEOUT_S = 600
 
 
 def _main(*args: str, env: dict | None = None, cwd: str = _REPO) -> subprocess.CompletedProcess:
-  full_env = dict(os.environ)
-  full_env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # the main job as a user runs it
+  full_env = light_compile.job_env()
   full_env.pop("JAXRLVR_VERBOSE", None)
   full_env.update(env or {})
   return subprocess.run([sys.executable, "-m", "jaxrlvr.main", *args], cwd=cwd, env=full_env, capture_output=True,
@@ -186,8 +186,9 @@ def test_malformed_jsonl_row_names_file_line_row_and_column(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, smoke_warm_start):
   """A grpo smoke run finished at step 1; each test works on a copy."""
+  del smoke_warm_start  # trained first; the command names its cache (JAXRLVR_WARM_START_CACHE)
   workdir = str(tmp_path_factory.mktemp("finished") / "run")
   result = _main(*_grpo(workdir, "--config.total_steps=1"))
   assert result.returncode == 0, result.stderr[-4000:]

@@ -31,11 +31,10 @@ def _command(workdir: str, cache: str, *extra: str, processes: int = 2) -> list[
 
 def _run(workdir: str, cache: str, *extra: str, processes: int = 2, devices: int = 4) -> subprocess.CompletedProcess:
   # Compiled light (tests/light_compile.py): a few smoke steps are mostly compiling; the warm start they load was
-  # trained by `warm_cache`, at XLA's defaults.
-  flags = f"--xla_force_host_platform_device_count={devices} {light_compile.FLAGS}"
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  return subprocess.run(_command(workdir, cache, *extra, processes=processes), cwd=_REPO, env=env, capture_output=True,
-                        text=True, timeout=_TIMEOUT_S)
+  # trained by `smoke_warm_start` (tests/conftest.py) on one device, at XLA's defaults: two processes would train it
+  # over CPU collectives, several times slower.
+  return subprocess.run(_command(workdir, cache, *extra, processes=processes), cwd=_REPO,
+                        env=light_compile.job_env(devices), capture_output=True, text=True, timeout=_TIMEOUT_S)
 
 
 def _host_rows(output: str) -> dict[int, dict[int, dict]]:
@@ -53,24 +52,10 @@ def _checkpoints(workdir: str) -> list[int]:
   return sorted(int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")) if name.isdigit())
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-  """The smoke warm start, made (or found) by one process on one device, as tests/test_train.py's runs make it: two
-  processes would train it over CPU collectives, several times slower."""
-  workdir = str(tmp_path_factory.mktemp("warm") / "run")
-  cache = os.environ["JAXRLVR_WARM_START_CACHE"]
-  command = [sys.executable, "-m", "jaxrlvr.main", "--config=configs/exgrpo.py:smoke", f"--workdir={workdir}",
-             f"--config.warm_start.cache_dir={cache}", "--config.total_steps=0", "--config.data.eval_size=1"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  result = subprocess.run(command, cwd=_REPO, env=env, capture_output=True, text=True, timeout=_TIMEOUT_S)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return cache
-
-
 @pytest.mark.slow
-def test_two_processes_agree_checkpoint_and_resume(tmp_path, warm_cache):
+def test_two_processes_agree_checkpoint_and_resume(tmp_path, smoke_warm_start):
   workdir = str(tmp_path / "run")
-  first = _run(workdir, warm_cache, "--config.total_steps=2")
+  first = _run(workdir, smoke_warm_start, "--config.total_steps=2")
   assert first.returncode == 0, first.stdout[-6000:]
   rows = _host_rows(first.stdout)
   assert sorted(rows[0]) == sorted(rows[1]) == [1, 2], first.stdout[-3000:]
@@ -86,7 +71,7 @@ def test_two_processes_agree_checkpoint_and_resume(tmp_path, warm_cache):
   assert logged[2]["replay/batch_rollouts"] == 8
   assert _checkpoints(workdir) == [2]  # one checkpoint, written by both processes, at the final step
 
-  second = _run(workdir, warm_cache, "--config.total_steps=3")
+  second = _run(workdir, smoke_warm_start, "--config.total_steps=3")
   assert second.returncode == 0, second.stdout[-6000:]
   assert len(re.findall(r"resumed from \S+ at step 2$", second.stdout, re.M)) == 2  # one line per process
   rows = _host_rows(second.stdout)
@@ -96,7 +81,7 @@ def test_two_processes_agree_checkpoint_and_resume(tmp_path, warm_cache):
   assert _checkpoints(workdir) == [2, 3]
 
   # One process cannot take over two processes' replay buffers and data positions.
-  single = _run(workdir, warm_cache, "--config.total_steps=4", processes=1, devices=8)
+  single = _run(workdir, smoke_warm_start, "--config.total_steps=4", processes=1, devices=8)
   assert single.returncode != 0
   assert "written by 2 process(es)" in single.stdout and "this run has 1" in single.stdout
 

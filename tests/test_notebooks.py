@@ -6,6 +6,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+import light_compile
+
 _COLABS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "colabs")
 _NOTEBOOKS = ("quickstart.ipynb", "losses.ipynb")
 
@@ -35,11 +37,13 @@ def _outputs(nb, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("smoke_warm_start")
 @pytest.mark.parametrize("name", _NOTEBOOKS)
 def test_runs_top_to_bottom(name, tmp_path, monkeypatch):
-  # The kernel inherits this environment: one CPU device as on a Colab CPU runtime, the run's workdir under
-  # tmp_path, and the session's shared warm-start cache (JAXRLVR_WARM_START_CACHE, set by conftest.py).
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  # The kernel inherits this environment: one CPU device as on a Colab CPU runtime (compiled light:
+  # tests/light_compile.py), the run's workdir under tmp_path, and the session's shared warm-start cache
+  # (JAXRLVR_WARM_START_CACHE, set by conftest.py).
+  monkeypatch.setenv("XLA_FLAGS", light_compile.job_env()["XLA_FLAGS"])
   monkeypatch.setenv("TMPDIR", str(tmp_path))
   nb = _read(name)
   NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": _COLABS}}).execute()

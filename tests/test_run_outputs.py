@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
+import light_compile
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import logs
 from jaxrlvr import outputs
@@ -26,14 +27,13 @@ _LOG_PREFIX = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([\w.]+):\d+\] "
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def smoke_run(tmp_path_factory, smoke_warm_start):
   """(workdir, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` with the session's warm start."""
   workdir = str(tmp_path_factory.mktemp("run_outputs") / "grpo-smoke")
-  env = {k: v for k, v in os.environ.items() if k not in (logs.VERBOSE_ENV, logs.SHARDING_ENV)}
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # the main job as a user runs it
+  env = {k: v for k, v in light_compile.job_env().items() if k not in (logs.VERBOSE_ENV, logs.SHARDING_ENV)}
   result = subprocess.run(
       [sys.executable, "-m", "jaxrlvr.main", "--config=configs/grpo.py:smoke", f"--workdir={workdir}",
-       f"--config.warm_start.cache_dir={os.environ['JAXRLVR_WARM_START_CACHE']}"],
+       f"--config.warm_start.cache_dir={smoke_warm_start}"],
       cwd=_REPO, env=env, capture_output=True, timeout=600)
   stderr = result.stderr.decode("utf-8")  # bytes: text mode would turn the bar's carriage returns into newlines
   assert result.returncode == 0, stderr[-4000:]
