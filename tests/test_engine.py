@@ -1,8 +1,5 @@
 """The rollout engine: the static sampler's and transformers' tokens, a row's samples whatever the slots or the order,
 teacher-forced log-probs, the sampling distribution, no recompilation, and the segmented cache."""
-import concurrent.futures
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,23 +340,3 @@ def test_prepare_compiles_what_generate_runs_and_samples_nothing(model):
   out = rollout.generate(model, prompts, rng=jax.random.key(3), engine="continuous", **kwargs)
   assert traced() == prepared
   assert out.tokens.shape == (len(prompts), 37) and (out.lengths > 0).all()
-
-
-def test_two_threads_preparing_the_same_shapes_compile_them_once(model, monkeypatch):
-  """The trainer prepares its first rollout in a thread while the step-0 evaluation samples, often with the same
-  slot count: the second thread to arrive waits for the first's warm-up and finds the programs compiled."""
-  warm_ups = []
-  warm_up = scheduler._warm_up
-
-  def slow_warm_up(*args):
-    warm_ups.append(args[3])  # the slot counts it compiles for
-    time.sleep(0.3)  # without the wait, both threads are in here at once
-    warm_up(*args)
-
-  monkeypatch.setattr(scheduler, "_warm_up", slow_warm_up)
-  prompts = _group_prompts(groups=2, samples=4, seed=7)
-  prepare = lambda _: rollout.prepare(model, prompts, rng=jax.random.key(0), engine="continuous",
-                                      max_new_tokens=35)  # a length no other test samples: nothing warmed yet
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    assert list(pool.map(prepare, range(2))) == [True, True]
-  assert len(warm_ups) == 1, warm_ups

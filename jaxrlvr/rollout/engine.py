@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import threading
 from typing import Any
 
 import jax
@@ -491,13 +490,12 @@ def _compact(spec: EngineSpec, state: EngineState, keep: jax.Array) -> EngineSta
 @dataclasses.dataclass(frozen=True)
 class Compiled:
   """The jitted functions of one spec; jax.jit compiles one executable per input shape (S, U, Lb). `warmed` holds
-  the slot counts whose whole chain of shapes has been compiled (`scheduler._warm_up`), under `warm_lock`."""
+  the slot counts whose whole chain of shapes has been compiled (`scheduler._warm_up`)."""
   init: Any
   insert: Any
   decode_chunk: Any
   compact: Any
   warmed: set = dataclasses.field(default_factory=set)
-  warm_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False, repr=False)
 
 
 @functools.lru_cache(maxsize=32)

@@ -170,13 +170,9 @@ def _start(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_token
   # Rows queue only when there are fewer slots than rows; without a queue nothing refills, so the refill insert is
   # not compiled (the evaluation's first fill of all its distinct prompts is another shape).
   refill_prompts = unique_cap // shards if num_slots < rows else 0
-  # Under the spec's lock: the trainer prepares its first rollout in a thread while the step-0 evaluation samples
-  # (train.py), and the two often need the same shapes; the second waits and finds them compiled (unlocked, both
-  # compiled them at once: the smollm2-135m smoke's first run compiled its decode chunk twice).
-  with fns.warm_lock:
-    if (num_slots, unique_cap, refill_prompts) not in fns.warmed:
-      _warm_up(fns, params, controls, [num_slots, *sizes], shards, refill_prompts, bucket, mesh)
-      fns.warmed.add((num_slots, unique_cap, refill_prompts))
+  if (num_slots, unique_cap, refill_prompts) not in fns.warmed:
+    _warm_up(fns, params, controls, [num_slots, *sizes], shards, refill_prompts, bucket, mesh)
+    fns.warmed.add((num_slots, unique_cap, refill_prompts))
   state = fns.init(params, num_slots, controls)
 
   return _Run(fns, params, state, prompts, keys, pad_id=pad_id, mesh=mesh, shards=shards, unique_cap=unique_cap,
