@@ -145,7 +145,6 @@ def _signal_script(tmp_path, save_s):
 
 
 @pytest.mark.slow  # a whole main command
-@pytest.mark.usefixtures("smoke_warm_start")
 def test_sigint_exits_130_and_a_second_signal_ends_the_save_at_once(tmp_path):
   proc = _signal_script(tmp_path, 0.0)
   proc.send_signal(signal.SIGINT)
