@@ -113,9 +113,8 @@ def smoke_warm_start():
   from jaxrlvr import file_lock  # pylint: disable=g-import-not-at-top
   with file_lock.one_writer(done, "the smoke warm start"):
     if not os.path.exists(done):
-      env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-      result = subprocess.run([sys.executable, "-c", _TRAIN_SMOKE_WARM_START, cache], cwd=_REPO, env=env,
-                              capture_output=True, text=True, timeout=900)
+      result = subprocess.run([sys.executable, "-c", _TRAIN_SMOKE_WARM_START, cache], cwd=_REPO,
+                              env=light_compile.job_env(light=False), capture_output=True, text=True, timeout=900)
       assert result.returncode == 0, result.stderr[-4000:]
       open(done, "w", encoding="utf-8").close()
   return cache

@@ -20,8 +20,8 @@ import os
 FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def job_env(devices: int = 1, **extra: str) -> dict:
+def job_env(devices: int = 1, *, light: bool = True, **extra: str) -> dict:
   """The environment of a job a test starts (a main command, a benchmark's harness): this process's, on `devices`
-  CPU devices, compiled light."""
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FLAGS}", JAX_PLATFORMS="cpu",
-              **extra)
+  CPU devices, compiled light, or at XLA's defaults as a user's job compiles (`light=False`)."""
+  flags = f"--xla_force_host_platform_device_count={devices}" + (f" {FLAGS}" if light else "")
+  return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)

@@ -26,9 +26,7 @@ def _command(method: str, workdir: str, cache: str, *extra: str) -> list[str]:
 def _env(method: str) -> dict:
   """Compiled light (tests/light_compile.py), but for ExpRL: its judge decodes every step, so its job mostly runs
   (its smoke run: 31.4 CPU-s compiled light against 25.4 at XLA's defaults, 2026-12-06)."""
-  if method == "exprl":
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  return light_compile.job_env()
+  return light_compile.job_env(light=method != "exprl")
 
 
 def _run(method, workdir, cache, *extra):
