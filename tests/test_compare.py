@@ -294,7 +294,7 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   # timing or a figure the flags change (81 -> 64 CPU-s for this command on 2 cores). The arms train the preset's own
   # warm start first (its data differ from the smoke configs'): 30 steps instead of the smoke configs' 300, since
   # nothing here reads how well it answers (the 300 took 28-82 s of this test's time on 2 cores).
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {light_compile.FLAGS}")
+  env = light_compile.job_env()
   first = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0, first.stderr[-4000:]
   assert "compare: grpo-s0: training to step 4" in first.stdout

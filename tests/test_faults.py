@@ -431,8 +431,7 @@ def _two_processes(path, script: str) -> list[subprocess.Popen]:
   with socket.socket() as s:
     s.bind(("localhost", 0))
     address = f"localhost:{s.getsockname()[1]}"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-             PYTHONPATH=_REPO)
+  env = light_compile.job_env(light=False, PYTHONPATH=_REPO)
   return [subprocess.Popen([sys.executable, str(path), str(i), address], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for i in range(2)]
 

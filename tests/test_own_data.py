@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import light_compile
 from configs import exgrpo
 from jaxrlvr import config_lib
 from jaxrlvr import data
@@ -120,7 +121,7 @@ def _main(tmp_path, *args: str) -> subprocess.CompletedProcess:
   cache.mkdir(parents=True)
   os.makedirs(os.environ["JAXRLVR_WARM_START_CACHE"], exist_ok=True)
   (cache / "warm_start").symlink_to(os.environ["JAXRLVR_WARM_START_CACHE"])
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", HOME=str(tmp_path / "home"))
+  env = light_compile.job_env(light=False, HOME=str(tmp_path / "home"))
   env.pop("JAXRLVR_VERBOSE", None)
   return subprocess.run([sys.executable, "-m", "jaxrlvr.main", *args, f"--workdir={tmp_path / 'run'}"], cwd=_REPO,
                         env=env, capture_output=True, text=True, timeout=900)

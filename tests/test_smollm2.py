@@ -20,6 +20,7 @@ import torch
 import transformers
 from flax import nnx
 
+import light_compile
 from configs import grpo
 from jaxrlvr import config_lib
 from jaxrlvr.compare import hf_check
@@ -129,8 +130,8 @@ def test_logits_and_greedy_chat_answers_equal_transformers(converted, tokenizer,
 @pytest.mark.slow
 def test_rl_smoke_run_and_its_export_in_transformers(converted, cache_dir, tmp_path):
   workdir = str(tmp_path / "smoke")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")  # the main job as a user runs it
-  env[pretrained.CACHE_ENV] = cache_dir  # the module's conversion, not a second one
+  # The main job as a user runs it, reading the module's conversion, not making a second one.
+  env = light_compile.job_env(light=False, **{pretrained.CACHE_ENV: cache_dir})
   result = subprocess.run([sys.executable, "-m", "jaxrlvr.main", f"--config=configs/grpo.py:model={_PRESET},smoke",
                            f"--workdir={workdir}"], cwd=_REPO, env=env, capture_output=True, timeout=600)
   assert result.returncode == 0, result.stderr.decode()[-4000:]

@@ -5,7 +5,6 @@ mesh (data=4, tensor=2, so 2 batch shards a process), and samples its own prompt
 """
 import dataclasses
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -39,8 +38,7 @@ def sample_in_two_processes(tmp_path, config, prompts: list[list[list[int]]], **
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
   # Compiled light (tests/light_compile.py): a few sampler calls of a tiny model are mostly compiling.
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {light_compile.FLAGS}",
-             JAX_PLATFORMS="cpu")
+  env = light_compile.job_env(4)
   args = [json.dumps(dataclasses.asdict(config)), json.dumps(generate_kwargs)]
   procs = [subprocess.Popen([sys.executable, str(script), str(i), address, json.dumps(prompts[i]), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
