@@ -8,7 +8,7 @@ few tokens to the cap the same way. 32-token prompts, cap 512, temperature 1, no
 Contenders, timed round-robin after warm-up calls (so load from other jobs falls on all alike), best of --repeats:
 - engine: `jaxrlvr.rollout.scheduler.generate` (continuous batching over decode slots, `--decode_slots` per device,
   0: a slot per row) on the benchmark's CPU devices, batch sharded, and on one device;
-- static: today's `jaxrlvr.rollout.generate` on the same mesh (one batch decoded until its longest row stops);
+- static: `jaxrlvr.rollout.generate` on the same mesh (one batch decoded until its longest row stops);
 - transformers' `generate` (static batch, its dynamic cache) and `generate_batch` (continuous batching, paged
   cache), same weights, in a process of their own, with each thread count of --hf_threads;
 - with --slots_per_device=N, the memory-bound pair: the engine with N decode slots a device against the static

@@ -84,7 +84,7 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.rollout.prefill_chunk_tokens = 0  # prompt slots the prefill writes at once; 0: the whole prompt bucket
   # How every sampler call decodes; samples do not depend on it (float rounding aside).
   c.rollout.engine = "static"  # or "continuous": decode slots rows leave as they stop (rollout/engine.py; one process;
-  # README "The rollout engine")
+  # docs/design.md, "The rollout engine")
   c.rollout.decode_slots = 0  # the engine's decode slots per batch shard; 0: max_rows_per_device, else one per row
   c.rollout.decode_chunk_steps = 16  # the engine's decode steps between two looks at which rows are done
   c.rollout.decode_weights = "replicated"  # the engine's weights: copied out of their fsdp split, or "training"

@@ -41,7 +41,7 @@ xla_cpu.setup_process()  # and on the CPU, a malloc that keeps freed memory, as 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# One warm-start cache for every end-to-end test of a session (train, compare, notebooks): the smoke warm start is
+# One warm-start cache for every end-to-end test of a test run (train, compare, notebooks): the smoke warm start is
 # the same for every method, and a cache entry is written atomically, so parallel workers can share it.
 os.environ.setdefault("JAXRLVR_WARM_START_CACHE",
                       os.path.join(tempfile.gettempdir(), f"jaxrlvr-test-warm-start-{os.getuid()}"))

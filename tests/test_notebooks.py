@@ -42,7 +42,7 @@ def test_runs_top_to_bottom(name, tmp_path, monkeypatch, request):
   if name == "quickstart.ipynb":  # its smoke run loads the smoke warm start: trained first (tests/conftest.py)
     request.getfixturevalue("smoke_warm_start")
   # The kernel inherits this environment: one CPU device as on a Colab CPU runtime (compiled light:
-  # tests/light_compile.py), the run's workdir under tmp_path, and the session's shared warm-start cache
+  # tests/light_compile.py), the run's workdir under tmp_path, and the test run's shared warm-start cache
   # (JAXRLVR_WARM_START_CACHE, set by conftest.py).
   monkeypatch.setenv("XLA_FLAGS", light_compile.job_env()["XLA_FLAGS"])
   monkeypatch.setenv("TMPDIR", str(tmp_path))

@@ -115,8 +115,8 @@ def _arithmetic_rows(n: int = 60) -> list[dict]:
 
 def _main(tmp_path, *args: str) -> subprocess.CompletedProcess:
   """`python -m jaxrlvr.main ARGS --workdir=tmp_path/run` as a user runs it: one device, a fresh $HOME, whose default
-  warm-start cache (~/.cache/jaxrlvr/warm_start) is the session's shared one (tests/conftest.py), so the command line
-  needs no cache flag and the default command's warm start is trained once per session at most."""
+  warm-start cache (~/.cache/jaxrlvr/warm_start) is the test run's shared one (tests/conftest.py), so the command line
+  needs no cache flag and the default command's warm start is trained once per test run at most."""
   cache = tmp_path / "home" / ".cache" / "jaxrlvr"
   cache.mkdir(parents=True)
   os.makedirs(os.environ["JAXRLVR_WARM_START_CACHE"], exist_ok=True)

@@ -28,7 +28,7 @@ _LOG_PREFIX = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([\w.]+):\d+\] "
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, smoke_warm_start):
-  """(workdir, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` with the session's warm start."""
+  """(workdir, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` with the test run's warm start."""
   workdir = str(tmp_path_factory.mktemp("run_outputs") / "grpo-smoke")
   env = {k: v for k, v in light_compile.job_env().items() if k not in (logs.VERBOSE_ENV, logs.SHARDING_ENV)}
   result = subprocess.run(

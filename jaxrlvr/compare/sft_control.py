@@ -8,7 +8,7 @@ cache entry) and trains on the teacher's solutions of the questions RL draws fro
 training rows, all when 0: the same data as the RL runs; `--all_questions`: every training row, as the warm start),
 with the warm start's step (warm_start.make_sft_step: mean negative log-likelihood of the
 solution tokens, AdamW without weight decay), batches of `warm_start.batch_size` one pair a row (the warm start packs
-several to a row since the comparisons in docs/comparison.md ran; packed, the control would take ~25% more steps in
+several to a row since the comparisons in docs/results.md ran; packed, the control would take ~25% more steps in
 the same seconds), at a constant learning rate: by
 default warm_start.lr / 10, where the warm start's cosine schedule ended (a schedule needs a length; a wall time fixes
 none). It trains until its step times sum to `--wall_s` (evaluations excluded, as they are from the RL runs' step

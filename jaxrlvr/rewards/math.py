@@ -136,7 +136,7 @@ def _spawn_worker() -> _Worker:
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-  # A session of its own: Ctrl-C in the terminal reaches the trainer, which closes the pool, and not the workers
+  # Its own process group: Ctrl-C in the terminal reaches the trainer, which closes the pool, and not the workers
   # (no tracebacks from them). A worker whose parent dies sees end of input and exits.
   proc = subprocess.Popen(
       [sys.executable, "-m", _WORKER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
