@@ -1,4 +1,4 @@
-"""Orbax checkpoints: everything a run needs to continue exactly (docs/design.md, "Checkpoint, resume and export").
+"""Orbax checkpoints: everything a run needs to continue exactly (docs/operations.md, "Checkpoint, resume and export").
 
 A checkpoint step directory has three items:
   train: the device state (params, optimizer state, step, RNG, and a method's delayed sampler weights), sharded;

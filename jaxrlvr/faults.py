@@ -1,4 +1,5 @@
-"""What a run does when it is told to stop, or when a part of it keeps failing (README, "Preemption and faults").
+"""What a run does when it is told to stop, or when a part of it keeps failing (docs/operations.md, "Preemption and
+faults").
 
 Preemption. Schedulers (SLURM, TPU pods, spot machines) stop a job with SIGTERM and kill it some seconds later; a
 user stops one with Ctrl-C (SIGINT). Once the run is built (from the step-0 evaluation on), `StopSignals` turns the

@@ -1,5 +1,5 @@
-"""Preemption and faults, each injected for real (README, "Preemption and faults"; jaxrlvr/faults.py): a signal sent
-to a running job, a disk that refuses the checkpoint (a file-size limit set on the running process: the kernel
+"""Preemption and faults, each injected for real (docs/operations.md, "Preemption and faults"; jaxrlvr/faults.py): a
+signal sent to a running job, a disk that refuses the checkpoint (a file-size limit set on the running process: the kernel
 fails the write with EFBIG, as a full disk fails it with ENOSPC; root ignores a read-only directory), a truncated
 checkpoint file, a run whose loss turns NaN, a killed math-verify worker, a judge server that is down. Each test
 asserts what was kept: the checkpoint loads, the resumed metrics equal an uninterrupted run's, the rewards are all
