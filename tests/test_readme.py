@@ -1,4 +1,5 @@
-"""Every fenced shell command of README.md goes through its parser, so the README cannot drift from the code.
+"""Every fenced shell command of README.md and docs/*.md goes through its parser, so they cannot drift from the code
+(docs/pods.md is left out: it documents the pods' topology compiles, whose flags and extra are checked with them).
 
 Nothing is run: for `python -m jaxrlvr.<module>` and `python benchmarks/X.py` the flags must be ones the module
 defines (absl's `DEFINE_*` or argparse's `add_argument`, read from its source), `--config=FILE[:arg]` must load, and
@@ -19,6 +20,8 @@ import pytest
 from test_benchmarks import _REPO
 
 _README = os.path.join(_REPO, "README.md")
+_DOCS = sorted(os.path.join(_REPO, "docs", name) for name in os.listdir(os.path.join(_REPO, "docs"))
+               if name.endswith(".md") and name != "pods.md")
 # The module a `python -m` command runs, and the source files whose flags it parses.
 _MODULE_SOURCES = {
     "jaxrlvr.main": ["jaxrlvr/main.py"],
@@ -180,6 +183,11 @@ def test_the_readme_has_its_commands():
 
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_parses(command):
+  check_command(command)
+
+
+@pytest.mark.parametrize("command", sorted({c for path in _DOCS for c in readme_commands(path)} - set(readme_commands())))
+def test_docs_command_parses(command):
   check_command(command)
 
 
