@@ -139,7 +139,7 @@ def _check_python(args: list[str]) -> None:
     values = dict(options)
     assert values.get("--preset", "") in ("", *arms.PRESETS), f"no comparison preset {values['--preset']}"
     for arm in filter(None, (values.get("--arms") or "").split(",")):
-      assert arm in arms.ARMS, f"no comparison arm {arm}"
+      arms.resolve_arm(arm)  # a named variant, or a method config's name
 
 
 def _extras() -> set[str]:
@@ -199,6 +199,7 @@ def test_docs_command_parses(command):
     "python -m jaxrlvr.main --config=configs/grpo.py --workdir=DIR --config.optim.lr=fast",
     "python benchmarks/sampler.py --no_such_option",
     "python -m jaxrlvr.compare --preset=no_such_regime --outdir=DIR",
+    "python -m jaxrlvr.compare --preset=fresh --arms=grpo,no_such_arm --outdir=DIR",
     "pip install -e '.[no_such_extra]'",
     "launch/no_such_launcher.sh 2 -- python -m jaxrlvr.main --config=configs/exgrpo.py:smoke --workdir=DIR",
     "curl https://example.com",
