@@ -227,7 +227,7 @@ def _smollm2_135m(c: ml_collections.ConfigDict) -> None:
   # sampling took 0.87x the static sampler's time (benchmarks/preset_rollout.py; docs/benchmarks.md).
   c.rollout.engine = "continuous"
   # Half the answers stop early, so a batch's 16 packed into 12 or 13 rows of 64 tokens 70% of the time (two prompts a
-  # row at most): the update took 5.14 or 5.53 s instead of 6.30 (docs/benchmarks.md, "Packed answers").
+  # row at most): the update took 5.14 or 5.53 s instead of 6.30 (docs/benchmarks.md, "GRPO step against TRL").
   c.train.pack_completions = (0.75, 0.8)
   c.data.eval_size = 200
   c.optim.lr = 1e-5
