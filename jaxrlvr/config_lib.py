@@ -22,6 +22,7 @@ AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", 
 REPLAY_NAMES = ("none", "exgrpo", "advantage_priority", "bapo")
 TEMPLATES = ("plain", "qwen_math", "r1", "chat")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -132,7 +133,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   for axis in ("data", "fsdp", "tensor"):
     size = c.mesh[axis]
     _check(size == -1 or size >= 1, f"mesh.{axis}", size, "must be -1 (fill) or a positive size")
+  _check_ranges(c)
   if num_devices is not None:  # at run time, with the command line's overrides applied
+    from jaxrlvr.models import attention  # pylint: disable=g-import-not-at-top  (JAX only once the flags are parsed)
+    _one_of(c, "model.attention", attention.IMPLEMENTATIONS)
     _check_checkpoint_dir(c.model.path, "model.path")
     sizes = mesh_shape(c.mesh, num_devices)
     shards = sizes[0] * sizes[1]
@@ -140,6 +144,99 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _check(micro_rows % shards == 0, "rollout.batch_size", r.batch_size,
            f"each micro-batch ({micro_rows} rollouts) must be divisible by the batch shards of the mesh "
            f"(data x fsdp = {sizes[0]} x {sizes[1]} = {shards} of {num_devices} devices)")
+
+
+# (key, test, what the key may be): the keys the checks above leave out, each checked where it is present (a config
+# built by hand may lack some). A value out of range would otherwise end in a library's traceback (numpy on a
+# negative seed), deep in the run (an optimizer that diverges at once), or be ignored (an unknown reward.name).
+_FRACTION_BELOW_1 = lambda v: 0 <= v < 1
+_NON_NEGATIVE = lambda v: v >= 0
+_POSITIVE = lambda v: v > 0
+_AT_LEAST_1 = lambda v: v >= 1
+_RANGES = (
+    ("seed", lambda v: 0 <= v < 2**32, "must be an integer in [0, 2**32) (it seeds numpy's and JAX's generators)"),
+    ("keep_checkpoints", _AT_LEAST_1, "must be at least 1 (the checkpoints kept on disk)"),
+    ("model.param_dtype", lambda v: v in DTYPES, f"must be one of {list(DTYPES)}"),
+    ("model.compute_dtype", lambda v: v in DTYPES, f"must be one of {list(DTYPES)}"),
+    ("model.attention_block_size", _AT_LEAST_1, "must be at least 1"),
+    ("data.eval_fraction", _FRACTION_BELOW_1, "the held-out share of data.source must be in [0, 1) (0: none)"),
+    ("data.eval_size", _NON_NEGATIVE, "must be >= 0 (0: all of the eval set)"),
+    ("data.rl_train_size", _NON_NEGATIVE, "must be >= 0 (0: all the training rows)"),
+    ("data.train_size", _NON_NEGATIVE, "must be >= 0 (0: the synthetic task's default)"),
+    ("data.max_prompt_len", _AT_LEAST_1, "must be at least 1 (prompt tokens)"),
+    ("data.worked_fraction", lambda v: 0 <= v <= 1, "must be in [0, 1] (a share of the synthetic task's solutions)"),
+    ("rollout.eval_temperature", _NON_NEGATIVE, "must be >= 0 (0 is greedy)"),
+    ("reward.name", lambda v: v == "math", "must be 'math' (the only reward of the math tasks)"),
+    ("reward.timeout_s", _POSITIVE, "must be positive (seconds a worker may take over one answer)"),
+    ("reward.num_workers", _AT_LEAST_1, "must be at least 1 (reward worker processes)"),
+    ("optim.warmup_steps", _NON_NEGATIVE, "must be >= 0 (0: no warmup)"),
+    ("optim.b1", _FRACTION_BELOW_1, "Adam's first-moment decay must be in [0, 1)"),
+    ("optim.b2", _FRACTION_BELOW_1, "Adam's second-moment decay must be in [0, 1)"),
+    ("optim.weight_decay", _NON_NEGATIVE, "must be >= 0"),
+    ("optim.grad_clip", _POSITIVE, "the gradient norm's clip must be positive"),
+    ("loss.kl_coef", _NON_NEGATIVE, "must be >= 0 (0: no KL term)"),
+    ("loss.importance_cap", _NON_NEGATIVE, "must be >= 0 (0: off)"),
+    ("train.stop_if_unsolvable_steps", _NON_NEGATIVE, "must be >= 0 (0: never stop)"),
+    ("warm_start.steps", _NON_NEGATIVE, "must be >= 0 (0: no warm start)"),
+    ("warm_start.lr", _POSITIVE, "must be positive"),
+    ("warm_start.batch_size", _AT_LEAST_1, "must be at least 1"),
+    ("eval.k", _AT_LEAST_1, "must be at least 1 (samples per question)"),
+    ("eval.temperature", _NON_NEGATIVE, "must be >= 0 (0 is greedy)"),
+)
+_REPLAY_RANGES = {
+    "exgrpo": (("replay.start_solve_rate", lambda v: 0 <= v <= 1, "a batch solve rate, in [0, 1] (0: at once)"),
+               ("replay.max_tokens", _NON_NEGATIVE, "must be >= 0 (0: no cap)")),
+    "bapo": (("replay.c1", _FRACTION_BELOW_1, "the hard questions' accuracy bound must be in [0, 1)"),
+             ("replay.c2", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+             ("replay.c3", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+             *((f"replay.{key}", _NON_NEGATIVE, "must be >= 0") for key in (
+                 "hard_capacity", "reroll_every", "reroll_max", "window", "policy_delay", "max_tokens"))),
+    "advantage_priority": (
+        *((f"replay.{key}", _NON_NEGATIVE, "must be >= 0") for key in (
+            "capacity", "tau_max", "warmup_steps", "alpha", "priority_eps", "max_tokens")),
+        ("replay.replay_fraction", lambda v: 0 <= v <= 1, "the replayed share of the batch must be in [0, 1]")),
+}
+_EXPRL_RANGES = (
+    ("exprl.reward", lambda v: v in ("outcome", "process"), "must be 'outcome' or 'process'"),
+    ("exprl.norm", lambda v: v in ("end", "delta", "group"), "must be one of ['end', 'delta', 'group']"),
+    ("exprl.group_mean", lambda v: v in ("segments", "rollouts", "trajectory"),
+     "must be one of ['segments', 'rollouts', 'trajectory']"),
+    ("exprl.process_judging", lambda v: v in ("prefix", "step"), "must be 'prefix' or 'step'"),
+    ("exprl.delimiter", bool, "must not be empty: it cuts an answer into segments, e.g. '###'"),
+    ("exprl.judge.kind", lambda v: v in ("http", "model"), "must be 'http' or 'model'"),
+    ("exprl.judge.on_failure", lambda v: v in ("skip", "error"), "must be 'skip' or 'error'"),
+    ("exprl.judge.timeout_s", _POSITIVE, "must be positive (seconds)"),
+    ("exprl.judge.max_retries", _NON_NEGATIVE, "must be >= 0"),
+    ("exprl.judge.max_concurrency", _AT_LEAST_1, "must be at least 1"),
+    ("exprl.judge.max_tokens", _AT_LEAST_1, "must be at least 1"),
+    ("exprl.judge.max_new_tokens", _AT_LEAST_1, "must be at least 1"),
+    ("exprl.judge.batch_size", _AT_LEAST_1, "must be at least 1"),
+    ("exprl.judge.max_prompt_tokens", _NON_NEGATIVE, "must be >= 0 (0: no limit)"),
+)
+
+
+def _check_all(config: ml_collections.ConfigDict, ranges) -> None:
+  """Each (key, test, why) of `ranges` whose key `config` has."""
+  for key, test, why in ranges:
+    node, parts = config, key.split(".")
+    for part in parts:
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        break
+      node = node[part]
+    else:
+      _check(test(node), key, node, why)
+
+
+def _check_ranges(c: ml_collections.ConfigDict) -> None:
+  _check_all(c, _RANGES)
+  _check_all(c, _REPLAY_RANGES.get(c.replay.name, ()))
+  if "exprl" in c:
+    _check_all(c, _EXPRL_RANGES)
+  k, temperature = c.eval.get("k", 1), c.eval.get("temperature", 0.0)
+  _check(k == 1 or temperature > 0, "eval.k", k, f"{k} samples at eval.temperature={temperature} would all be the "
+         "greedy answer: set eval.temperature > 0, or eval.k=1")
+  if c.replay.name == "bapo":
+    _check(c.replay.c2 <= c.replay.c3, "replay.c2", c.replay.c2, f"must be <= replay.c3 ({c.replay.c3})")
 
 
 def _check_checkpoint_dir(path: str, key: str) -> None:

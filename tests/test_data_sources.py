@@ -42,7 +42,7 @@ def test_jsonl_fields_numbers_blank_lines(tmp_path):
 
 
 @pytest.mark.parametrize("bad_row,message", [
-    ({"question": "q2"}, "field 'answer' is missing or empty"),
+    ({"question": "q2"}, r"field 'answer' is missing and there is no verl 'reward_model' \(the row has \['question'\]"),
     ({"question": "  ", "answer": "1"}, "field 'question' is missing or empty"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object"),

@@ -12,6 +12,7 @@ the synthetic task, and for any other source a held-out part of that source: `da
 seed and every method of a comparison trains on the same rows and is evaluated on the same others.
 """
 import dataclasses
+import os
 from typing import Sequence
 
 from absl import logging
@@ -24,6 +25,8 @@ from jaxrlvr.data.types import describe_row
 from jaxrlvr.data.types import Source
 
 KINDS = ("synthetic", "jsonl", "parquet", "tfds", "hf_disk")
+_EXAMPLES = {"jsonl": "jsonl:/data/train.jsonl", "parquet": "parquet:/data/train.parquet",
+             "tfds": "tfds:gsm8k:train", "hf_disk": "hf_disk:/data/train_dataset"}
 HOLD_OUT_SEED = 0  # fixed: the held-out rows of a file do not change with config.seed (module docstring)
 
 
@@ -56,7 +59,7 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     return synthetic.ArithmeticSource(split=split, seed=seed, size=size, worked_fraction=worked_fraction,
                                       phrasing=phrasing, worked_by_level=worked_by_level, levels=levels)
   if kind not in KINDS:
-    raise DataError(f"data source {spec!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
+    raise DataError(f"data source {spec!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}{_kind_hint(spec)}")
   if worked_fraction != 1.0 or worked_by_level:
     raise DataError(f"data source {spec!r}: worked_fraction={worked_fraction} / worked_by_level={worked_by_level!r} "
                     "apply to the synthetic task only; a dataset's solutions are what the file holds")
@@ -66,7 +69,8 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     raise DataError(f"data source {spec!r}: phrasing={phrasing!r} applies to the synthetic task only; a dataset's "
                     "questions are what the file holds")
   if not rest:
-    raise DataError(f"data source {spec!r} names no path; expected e.g. 'jsonl:/data/train.jsonl'")
+    raise DataError(f"data source {spec!r} names no {'dataset' if kind == 'tfds' else 'path'}; expected e.g. "
+                    f"'{_EXAMPLES[kind]}'")
   if kind == "jsonl":
     return sources.load_jsonl(rest, **fields)
   if kind == "parquet":
@@ -75,6 +79,16 @@ def make_source(spec: str, *, split: str = "train", question_field: str = "quest
     return sources.load_hf_disk(rest, split=split, **fields)
   name, tfds_split = sources.split_tfds_spec(rest)
   return sources.TfdsSource(name, tfds_split or split, data_dir=data_dir, **fields)
+
+
+def _kind_hint(spec: str) -> str:
+  """' (did you mean 'jsonl:/data/train.jsonl'?)' for a spec without its kind, or with it in capitals."""
+  kind, _, rest = spec.partition(":")
+  if kind.lower() in KINDS:
+    return f" (did you mean '{kind.lower()}:{rest}'?)"
+  extension = os.path.splitext(spec)[1].lower()
+  guess = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}.get(extension)
+  return f" (did you mean '{guess}:{spec}'?)" if guess else ""
 
 
 class Subset:
