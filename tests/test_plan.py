@@ -76,8 +76,11 @@ def test_7b_update_and_kv_cache_by_hand(paper_plan):
   assert paper_plan["update.batch"] == batch
   assert paper_plan["update"] == (3 * 3_808_974_848 + batch + 2 * 3_808_974_848 + paper_plan["update.activations"]
                                   + paper_plan["update.gathered"] + paper_plan["update.logits"])
-  # Decode: the loop hoists every layer's gathered weights and the unembedding (3584 x 152064), in bf16.
-  assert paper_plan["decode.gathered"] == (28 * layer + 3584 * 152064 * 4) // 2
+  # Decode (rollout.decode_weights="replicated"): the sampler gathers every weight once, before its loop, into a
+  # bf16 copy without the fsdp split (28 layers, the embedding and the unembedding 3584 x 152064, the final norm)
+  # and gathers nothing inside it.
+  assert paper_plan["decode.gathered"] == 0
+  assert paper_plan["decode.decode_copy"] == (28 * layer + 2 * 3584 * 152064 * 4 + 3584 * 4) // 2
 
 
 def test_attention_terms_by_implementation():

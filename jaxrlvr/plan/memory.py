@@ -89,7 +89,9 @@ class Workload:
   compute_bytes: int
   param_bytes: int
   engine: bool = False  # rollout.engine="continuous": rollout_rows are its decode slots, one state for the step
-  decode_copy: bool = False  # ... and rollout.decode_weights="replicated": it decodes from a copy of the weights
+  # rollout.decode_weights="replicated": the sampler reads a copy of the weights without their fsdp split (the
+  # engine's made once a call, the static sampler's gathered in each of its programs, before their loops)
+  decode_copy: bool = False
 
   @property
   def seq_len(self) -> int:
@@ -191,7 +193,7 @@ def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", me
       model=cfg, mesh_shape=tuple(int(s) for s in mesh_shape), mesh_kind=mesh_kind, backend=backend,
       batch_shards=shards, rows=rows, micro_rows=rows // (t.num_minibatches * t.num_microbatches * shards),
       rollout_rows=call_rows, sampler_calls=1 if engine else -(-per_device // call_rows),
-      engine=engine, decode_copy=engine and r.get("decode_weights", "replicated") == "replicated",
+      engine=engine, decode_copy=r.get("decode_weights", "replicated") == "replicated",
       prefill_rows=r.prefill_rows_per_device if 0 < r.prefill_rows_per_device < call_rows else call_rows,
       prefill_tokens=r.prefill_chunk_tokens if 0 < r.prefill_chunk_tokens < prompt_len else prompt_len,
       prompt_len=prompt_len, completion_len=r.max_new_tokens,
@@ -323,13 +325,18 @@ def _loop_state_bytes(w: Workload) -> int:
 
 
 def _sampler_weights(w: Workload, wt: dict[str, int], *, layers: int) -> dict[str, int]:
-  """The weights a sampler phase holds: the parameters, and either the engine's decode copy (it reads only that,
-  so nothing is gathered) or the gathered copies of `layers` layers and the unembedding (`gathered`)."""
-  moved = w.mesh_shape[1] > 1 or w.compute_bytes != w.param_bytes  # else the weights are read where they are
-  if w.decode_copy:  # (engine.decode_layout returns weights that nothing moves as they are: no copy)
+  """The weights a sampler phase holds: the parameters, and either the decode copy (decode_weights="replicated":
+  the sampler reads only that, so nothing is gathered) or the gathered copies of `layers` layers and the
+  unembedding (`gathered`)."""
+  split = w.mesh_shape[1] > 1
+  moved = split or w.compute_bytes != w.param_bytes  # else the weights are read where they are
+  # The engine copies (and casts) whatever moves; the static sampler gathers only what fsdp splits, and casts
+  # weights that nothing splits inside its layers, as below.
+  if w.decode_copy and (split or w.engine):
     return {"params": wt["params"], "decode_copy": wt["decode_copy"] if moved else 0, "gathered": 0}
-  # The loop's weights are invariant: XLA hoists their all-gathers out of it, so every layer's gathered copy and the
-  # unembedding's live through the loop (measured on XLA:CPU; the pass is not backend-specific).
+  # decode_weights="training": XLA:CPU hoists the loop-invariant all-gathers out of the loop, so every layer's
+  # gathered copy and the unembedding's live through it; XLA:TPU gathers them inside the loop, every step (its
+  # compile of the 7B decode on v5p-8), which costs bytes over the interconnect, not memory: counted the same.
   cast = w.compute_bytes if w.backend != "cpu" else w.param_bytes  # XLA:CPU's dots read the f32 gathers
   gathered = 0
   if moved:
@@ -348,10 +355,7 @@ def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int
     prompt_cache = m.num_layers * 2 * w.prefill_rows * w.prompt_len * w.kv_heads * m.head_dim * c
     out["activations"] = (prompt_cache + _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.prompt_len)
                           + r * m.vocab_size * 4)
-    if w.decode_copy:
-      return {**out, **_sampler_weights(w, wt, layers=m.num_layers)}
-    out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=False)
-    return out
+    return {**out, **_prefill_weights(w, wt)}
   activations = _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.seq_len)
   if w.prefill_rows < r:
     # Row blocks: a block's cache fills layer by layer while its forward runs (the last layer's forward beside the
@@ -360,8 +364,14 @@ def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int
     block = 2 * w.prefill_rows * row
     activations = max(activations + (m.num_layers - 1) * block, r * row + m.num_layers * block)
   out["activations"] = activations + r * m.vocab_size * 4  # the last position's logits
-  out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=False)
-  return out
+  return {**out, **_prefill_weights(w, wt)}
+
+
+def _prefill_weights(w: Workload, wt: dict[str, int]) -> dict[str, int]:
+  """A prefill's weights: the decode copy where the sampler reads one, else a layer's gathered weights at a time."""
+  if w.decode_copy:
+    return _sampler_weights(w, wt, layers=w.model.num_layers)
+  return {"gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False)}
 
 
 def decode_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:

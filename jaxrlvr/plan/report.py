@@ -95,6 +95,7 @@ import jax
 from jaxrlvr import config_lib
 from jaxrlvr import run_setup
 from jaxrlvr.plan import memory as memory_lib
+from jaxrlvr.plan import topology
 from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_COMPILE_ONLY_FLAGS, CPU_MEMORY_FLAGS, GB,
                                  USABLE_FRACTION, fits, plan_memory, workload)
 
@@ -250,6 +251,13 @@ def _plan() -> None:
     os.environ["XLA_FLAGS"] = (
         f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_FLAGS} {CPU_COMPILE_ONLY_FLAGS}".strip())
   config = f.config
+  if f.topology:  # the run's programs through the TPU compiler, for compile-only devices (plan/topology.py)
+    target = topology.parse_topology(f.topology)
+    echo = lambda line: print(line, file=sys.stderr, flush=True)
+    phases = tuple(p for p in f.phases.split(",") if p)
+    results = topology.compile_on_topology(config, target, parse_mesh(f.mesh) if f.mesh else None, phases, echo)
+    print(topology.format_report(config, target, *results))
+    return
   if f.mesh:
     mesh_shape = parse_mesh(f.mesh)
   else:
@@ -288,6 +296,9 @@ def cli() -> None:
   flags.DEFINE_bool("xla", False, "Also compile the four phases on the local devices (abstract inputs) and "
                            "print XLA's figures next to the plan's.")
   flags.DEFINE_integer("layers", 0, "With --xla: compile this many layers (0: the model's).")
+  flags.DEFINE_string("topology", "", "Compile the run's programs for a TPU topology's compile-only devices, e.g. "
+                      "v5p:2x2x1, v5p:4x4x4, v5e:2x2 (needs pip install -e '.[tpu]'); --mesh or config.mesh over it.")
+  flags.DEFINE_string("phases", "update,score,prefill,decode", "With --topology: the programs to compile.")
   flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")
   flags.DEFINE_integer("tokens_per_trajectory", -1, "Mean stored tokens; -1: "
                                                 f"min({memory_lib.TOKENS_PER_TRAJECTORY}, max_new_tokens).")

@@ -16,6 +16,7 @@ GB without; 2.7 GB with the flag), and its YNNPACK fusion computes a one-layer m
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -83,16 +84,27 @@ def compile_phases(config: Any, mesh: Any, model_config: models.ModelConfig | No
   `model_config` replaces the config's architecture (e.g. a preset with fewer layers); the sizes (rows, lengths,
   sampler bounds) are those `memory_lib.workload` derives from the config.
   """
+  return {phase: PhaseMemory.of(compiled)
+          for phase, (compiled, _) in compile_programs(config, mesh, model_config, phases).items()}
+
+
+def compile_programs(config: Any, mesh: Any, model_config: models.ModelConfig | None = None,
+                     phases: tuple[str, ...] = PHASES, *, backend: str | None = None) -> dict[str, tuple[Any, float]]:
+  """phase -> (compiled executable, seconds its lowering and compile took) of the trainer's jitted functions for
+  `config` on `mesh`: local devices, or a topology's compile-only ones (`plan/topology.py`), whose platform
+  `backend` names for the planner's workload (default: the mesh's)."""
   unknown = set(phases) - set(PHASES)
   if unknown:
     raise ValueError(f"plan/xla.py: unknown phases {sorted(unknown)}; known: {PHASES}")
+  backend = backend or mesh.devices.flat[0].platform
   w = memory_lib.workload(config, tuple(mesh.shape[a] for a in parallel.MESH_AXES), mesh=mesh, mesh_kind="devices",
-                           model=model_config)
+                           model=model_config, backend=backend if backend in memory_lib.BACKENDS else "gpu")
   cfg = w.model
   graphdef, params = abstract_params(cfg, mesh)
   batch_sharding = parallel.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
-  out: dict[str, PhaseMemory] = {}
+  out: dict[str, tuple[Any, float]] = {}
+  start = time.perf_counter()
   if "update" in phases:
     optimizer = step_lib.make_optimizer(config)
     opt_state = jax.tree.map(lambda x, s: _abstract(x.shape, x.dtype, s), jax.eval_shape(optimizer.init, params),
@@ -103,15 +115,17 @@ def compile_phases(config: Any, mesh: Any, model_config: models.ModelConfig | No
                                                                                                state),
                                      batch_sharding=batch_sharding)
     batch = _update_batch(w, batch_sharding, kl=config.loss.kl_coef > 0)
-    out["update"] = PhaseMemory.of(update.lower(state, batch).compile())
+    out["update"] = (update.lower(state, batch).compile(), time.perf_counter() - start)
   if "score" in phases:
+    start = time.perf_counter()
     score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature or 1.0,
                                    batch_sharding=batch_sharding, max_chunk_rows=w.micro_rows * w.batch_shards)
     batch = _update_batch(w, batch_sharding, kl=False)
     del batch["old_logp"]  # the trainer scores the batch before it has old log-probs
-    out["score"] = PhaseMemory.of(score.lower(params, batch).compile())
+    out["score"] = (score.lower(params, batch).compile(), time.perf_counter() - start)
   sampler_phases = [p for p in ("prefill", "decode") if p in phases]
   if sampler_phases:
+    start = time.perf_counter()
     r = config.rollout
     compiled = rollout.lower_sampler_phases(
         graphdef, params, mesh, use_engine=bool(w.engine), phases=tuple(sampler_phases), max_new_tokens=w.completion_len,
@@ -120,5 +134,6 @@ def compile_phases(config: Any, mesh: Any, model_config: models.ModelConfig | No
         prefill_rows_per_device=int(r.prefill_rows_per_device), prefill_chunk_tokens=int(r.prefill_chunk_tokens),
         decode_chunk_steps=int(r.decode_chunk_steps), decode_copy=bool(w.decode_copy),
         compute_dtype=w.model.compute_dtype)
-    out.update({phase: PhaseMemory.of(c) for phase, c in compiled.items()})
+    seconds = (time.perf_counter() - start) / len(compiled)  # the two compile together: their mean
+    out.update({phase: (c, seconds) for phase, c in compiled.items()})
   return out

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlvr.models import apply_rope, rope_inv_freq
 from jaxrlvr.rollout.bounded import BATCH_AXES
-from jaxrlvr.rollout.decode import sample
+from jaxrlvr.rollout.decode import already_laid_out, decode_shardings, sample
 
 TENSOR_AXIS = "tensor"
 FIRST_SEGMENT = 64  # cache slots of the first segment; each next one doubles, up to MAX_SEGMENT
@@ -155,31 +155,19 @@ def _constrain_slots(mesh: Any, slots: Slots) -> Slots:
   return Slots(cache=cache, **rest)
 
 
-def _without_batch_axes(axis: Any) -> Any:
-  """A PartitionSpec entry with the batch axes taken out (None when nothing is left)."""
-  if axis is None:
-    return None
-  kept = tuple(a for a in (axis if isinstance(axis, tuple) else (axis,)) if a not in BATCH_AXES)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
-
-
 def decode_layout(params: Any, mesh: Any, compute_dtype: Any) -> Any:
-  """The parameters as the decode reads them: replicated over the batch axes (kept sharded over 'tensor' only) and
-  floating ones cast to the compute dtype (the model casts every weight to it where it uses it, so no number
-  changes).
-
-  Why: trained with fsdp, every weight is split over the batch axes, and the decode step all-gathered each one at
-  every step (16 all-gathers a step for a 2-layer model on an fsdp=8 mesh). Here one copy is made per sampler call;
-  it costs the memory of the weights per device (without their fsdp split), which the planner must count. Weights
-  already so (one device, a data-parallel mesh) are returned as they are: copied, 158 ms a call on the smollm2 preset.
+  """The parameters as the decode reads them (`decode.decode_shardings`: replicated over the batch axes, kept
+  sharded over 'tensor' only), floating ones cast to the compute dtype (the model casts every weight to it where it
+  uses it, so no number changes), as one copy made per sampler call on the host's side of the engine's many decode
+  chunks. It costs the memory of the weights per device without their fsdp split, which the planner counts. Weights
+  already so (one device, a data-parallel mesh) are returned as they are: copied, 158 ms a call on the smollm2
+  preset.
   """
   leaves, treedef = jax.tree.flatten(params)
-  spec_of = lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
-  shardings = tuple(NamedSharding(mesh, P(*(_without_batch_axes(a) for a in spec_of(x)))) for x in leaves)
+  shardings = decode_shardings(leaves, mesh)
   dtype = jnp.dtype(compute_dtype)
-  in_place = lambda x, s: (not isinstance(x, jax.core.Tracer) and x.sharding.is_equivalent_to(s, x.ndim)
-                           and (x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating)))  # bf16 included
-  if all(in_place(x, s) for x, s in zip(leaves, shardings)):
+  cast_free = all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in leaves)  # bf16 included
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves) and cast_free and already_laid_out(leaves, shardings):
     return params
   return jax.tree.unflatten(treedef, _relayout(leaves, shardings, dtype.name))
 

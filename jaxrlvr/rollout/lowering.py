@@ -28,8 +28,9 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
                          decode_chunk_steps: int, decode_copy: bool, compute_dtype: Any) -> dict[str, Any]:
   """phase -> compiled executable of one sampler call on `mesh`: "prefill" and "decode" of the static sampler, or
   with `use_engine` the rollout engine's insert (its prefill, `prefill_rows_per_shard` prompts a shard) and decode chunk
-  over `rows_per_shard` slots a shard, its weights in the decode layout when `decode_copy`. `params` are abstract
-  (ShapeDtypeStructs with their shardings)."""
+  over `rows_per_shard` slots a shard. `decode_copy` (rollout.decode_weights="replicated") reads the weights in the
+  decode layout: the engine's copy made before its calls, the static sampler's gathered inside each program before
+  its loops. `params` are abstract (ShapeDtypeStructs with their shardings)."""
   replicated = NamedSharding(mesh, PartitionSpec())
   by_shard = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
   shards = batch_shards(mesh)
@@ -41,9 +42,11 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
                           chunk_steps=decode_chunk_steps, prefill_tokens=prefill_chunk_tokens,
                           decode_copy=decode_copy, compute_dtype=compute_dtype, key=key, replicated=replicated,
                           by_shard=by_shard)
+  layout = sampler.decode_weight_layout(params, mesh, "replicated" if decode_copy else "training", compute_dtype)
   spec = sampler._Spec(  # pylint: disable=protected-access  (the sampler's own compiled functions)
       graphdef=graphdef, max_new_tokens=max_new_tokens, top_k=top_k, nucleus=top_p < 1.0,
-      return_logits=False, mesh=mesh, prefill_rows=prefill_rows_per_device, prefill_tokens=prefill_chunk_tokens)
+      return_logits=False, mesh=mesh, prefill_rows=prefill_rows_per_device, prefill_tokens=prefill_chunk_tokens,
+      **layout)
   prefill, decode, _ = sampler._compiled(spec)  # pylint: disable=protected-access
   rows = rows_per_shard * shards
   controls = (_abstract(key.shape, key.dtype, replicated), _abstract((4,), jnp.int32, replicated),

@@ -50,6 +50,7 @@ from jaxrlvr.rollout import scheduler
 from jaxrlvr.rollout.bounded import BATCH_AXES, MEMORY_LIMITS
 
 from jaxrlvr.rollout.decode import SampleOutput
+from jaxrlvr.rollout.decode import already_laid_out, decode_shardings, in_decode_layout
 from jaxrlvr.rollout.decode import sample as _sample
 
 TENSOR_AXIS = "tensor"
@@ -76,6 +77,10 @@ class _Spec:
   mesh: Any
   prefill_rows: int = 0  # rows of each device the prefill runs at once (0: all); the decode ignores it
   prefill_tokens: int = 0  # prompt slots the prefill writes at once (0: the whole bucket); the decode ignores it
+  # decode_weights="replicated" on a mesh that splits the weights over the batch axes: each weight's sharding in
+  # the loops (`decode.decode_shardings`), gathered once a call before them; None reads them where they are.
+  weight_shardings: tuple | None = None
+  compute_dtype: str = "float32"  # the dtype the weights are gathered in (the model's compute dtype)
 
 
 @struct.dataclass
@@ -178,6 +183,7 @@ def _prefill(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array, real: ja
              controls: tuple) -> _LoopState:
   """Writes the left-padded prompts [B, P] into a fresh cache of P + N slots and samples the first token."""
   TRACE_COUNTS["prefill"] += 1
+  params = in_decode_layout(params, spec.weight_shardings, spec.compute_dtype)
   model = nnx.merge(spec.graphdef, params)
   batch = ids.shape[0]
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [B, P]
@@ -265,6 +271,7 @@ def _prefill_row_blocks(spec: _Spec, params: Any, ids: jax.Array, positions: jax
 def _decode(spec: _Spec, params: Any, state: _LoopState) -> _LoopState:
   """Feeds back one token per step until every row has stopped or max_new_tokens tokens exist."""
   TRACE_COUNTS["decode"] += 1
+  params = in_decode_layout(params, spec.weight_shardings, spec.compute_dtype)  # gathered here, not in the loop
   prompt_len = state.key_mask.shape[1] - spec.max_new_tokens
 
   def cond(s: _LoopState) -> jax.Array:
@@ -288,6 +295,7 @@ def _generate_uncached(spec: _Spec, params: Any, ids: jax.Array, mask: jax.Array
   tokens the causal mask keeps out of view.
   """
   TRACE_COUNTS["uncached"] += 1
+  params = in_decode_layout(params, spec.weight_shardings, spec.compute_dtype)
   model = nnx.merge(spec.graphdef, params)
   batch, prompt_len = ids.shape
   buffer = jnp.concatenate([ids, jnp.full((batch, spec.max_new_tokens), controls[2], ids.dtype)], axis=1)  # [B, S]
@@ -330,6 +338,22 @@ def _compiled(spec: _Spec) -> tuple[Any, Any, Any]:
 # The host-side entry point.
 
 
+def decode_weight_layout(params: Any, mesh: Any, decode_weights: str, compute_dtype: Any) -> dict:
+  """`_Spec`'s weight_shardings and compute_dtype for `params` (concrete or abstract, with their shardings):
+  "replicated" gathers weights split over the batch axes once a call, before the loops; "training" (or weights
+  that nothing splits) reads them where they are, each decode step all-gathering what it uses (less memory, the
+  gather's bytes every token)."""
+  if decode_weights not in scheduler.DECODE_WEIGHTS:
+    raise ValueError(f"rollout/sampler.py: decode_weights={decode_weights!r} is not one of "
+                     f"{scheduler.DECODE_WEIGHTS}")
+  dtype = jnp.dtype(compute_dtype).name
+  if mesh is None or decode_weights != "replicated":
+    return {"weight_shardings": None, "compute_dtype": dtype}
+  leaves = jax.tree.leaves(params)
+  shardings = decode_shardings(leaves, mesh)
+  return {"weight_shardings": None if already_laid_out(leaves, shardings) else shardings, "compute_dtype": dtype}
+
+
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, rng: Any,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
              pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, use_cache: bool = True,
@@ -366,7 +390,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
       process only, with the cache; its slots per batch shard are `decode_slots`, else max_rows_per_device, else
       one per row; `decode_chunk_steps` decode steps run between two looks at which rows are done;
       `decode_weights` "replicated" copies the weights out of their fsdp split once per call (the static sampler
-      ignores the three).
+      ignores decode_slots and decode_chunk_steps; it honours decode_weights, gathering inside its programs, before
+      their loops).
     on_rows_done: if given, on_rows_done(rows, tokens, lengths) is called for every row once it is done: by the
       engine as rows finish, while it decodes on (reward scoring can overlap decoding); by the static sampler once,
       for all rows, at the end.
@@ -400,7 +425,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   graphdef, params = nnx.split(model)
   spec = _Spec(graphdef=graphdef, max_new_tokens=int(max_new_tokens), top_k=int(top_k),
                nucleus=top_p < 1.0, return_logits=bool(return_logits), mesh=mesh,
-               prefill_rows=int(prefill_rows_per_device), prefill_tokens=int(prefill_chunk_tokens))
+               prefill_rows=int(prefill_rows_per_device), prefill_tokens=int(prefill_chunk_tokens),
+               **decode_weight_layout(params, mesh, decode_weights, model.config.compute_dtype))
   prefill, decode, uncached = _compiled(spec)
   scalars = (bounded.stop_array(eos_ids), np.asarray(pad_id, np.int32), np.asarray(temperature, np.float32),
              np.asarray(top_p, np.float32))

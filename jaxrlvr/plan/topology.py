@@ -1,0 +1,243 @@
+"""A run's programs compiled for an accelerator it does not have: compile-only devices of a TPU topology.
+
+    python -m jaxrlvr.plan --config=configs/exgrpo.py:model=qwen2.5-math-7b --topology=v5p:2x2x1
+
+JAX compiles for a TPU slice on any host once libtpu is installed (`pip install -e '.[tpu]'`):
+`jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name=...)` returns devices that can be
+compiled for, never run on (MaxText's train_compile.py works the same way). A `Mesh` of them, the trainer's own
+jitted functions lowered on ShapeDtypeStructs with the run's shardings (`plan/xla.py`), and `.compile()` give the
+TPU compiler's per-chip memory and its optimized program. Nothing of the model's size is allocated.
+
+For each program (the update, the scoring pass, the configured sampler's prefill and decode) `report_lines` prints
+the compile time, the TPU compiler's memory per chip (its peak and argument + output + temp - alias) against the
+chip's HBM and against the planner (`plan/memory.py`), and a lower bound on its time: the largest of FLOPs at the
+chip's peak, bytes at its HBM bandwidth, and the collectives the compiled program runs at its interconnect's
+bandwidth. FLOPs and HBM bytes are the planner's arithmetic (the compiler's `cost_analysis()` counts a loop's body
+once, and XLA:TPU writes its matmuls as convolutions with its own loops around them, so its FLOPs are printed
+beside as what they are); the collectives' bytes are read from the optimized program (`plan/hlo.py`), those
+inside a loop multiplied by the loop's trip count (the decode's: max_new_tokens). The update's bound gives an MFU
+bound (model FLOPs, 6 x parameters x tokens plus attention, over the chips' peak for that time), the decode's a
+tokens/s bound.
+
+The TPU-only environment (TPU_SKIP_MDS_QUERY, ALLOW_MULTIPLE_LIBTPU_LOAD) is set here, before libtpu loads, and
+nowhere else: a CPU run with libtpu installed is untouched (tests/test_tpu_compile.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+from typing import Any
+
+from jaxrlvr import config_lib
+from jaxrlvr import parallel
+from jaxrlvr.plan import hlo
+from jaxrlvr.plan import memory as memory_lib
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator chip's public specifications (per chip; a v4 chip is two JAX devices)."""
+  name: str
+  hbm_bytes: int
+  peak_flops: float  # dense bfloat16 FLOP/s
+  hbm_bandwidth: float  # bytes/s
+  ici_bandwidth: float | None  # bytes/s the chip sends and receives over its interconnect (bidirectional)
+  devices_per_chip: int = 1
+
+
+# Google Cloud's TPU pages (v4, v5e, v5p, v6e: "key specifications"); v4's page gives no per-chip ICI figure.
+CHIPS = {
+    "v4": Chip("TPU v4", 32 * GIB, 275e12, 1200e9, None, devices_per_chip=2),
+    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, 400e9),
+    "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, 1200e9),
+    "v6e": Chip("TPU v6e", 32 * 10**9, 918e12, 1638e9, 800e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A parsed --topology: the chip and JAX's topology name for it."""
+  chip_key: str
+  topology_name: str
+
+  @property
+  def chip(self) -> Chip:
+    return CHIPS[self.chip_key]
+
+
+_TPU_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
+
+
+def parse_topology(text: str) -> Target:
+  """'v5p:2x2x1' (JAX's own topology names: a TPU version and its chips' grid) -> Target; one clear error else."""
+  match = _TPU_TOPOLOGY.match(text.strip())
+  if not match:
+    raise config_lib.ConfigError(
+        f"--topology={text!r}: expected a TPU version and its chips' grid as JAX names it, e.g. v5p:2x2x1 "
+        f"(4 chips), v5p:4x4x4 (64), v5e:2x2, v6e:2x4, v4:2x2x1; versions: {sorted(CHIPS)}")
+  return Target(chip_key=match.group(1), topology_name=text.strip())
+
+
+def compile_only_devices(target: Target) -> list:
+  """The topology's compile-only devices (libtpu's), after setting what libtpu needs off a TPU VM."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise config_lib.ConfigError(f"--topology={target.topology_name}: libtpu is not installed; "
+                                 f"pip install -e '.[tpu]' (jax[tpu] at the locked jax version)")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server off a TPU VM: do not wait for one
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a second process may hold libtpu (tests, CI)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name).devices)
+
+
+def mesh_sizes(config: Any, num_devices: int, mesh: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+  """(data, fsdp, tensor): `mesh` when given, else the config's mesh (one size may be -1) over the devices."""
+  if mesh is not None:
+    if math.prod(mesh) != num_devices:
+      raise config_lib.ConfigError(f"--mesh={','.join(map(str, mesh))}: {math.prod(mesh)} devices, but the "
+                                   f"topology has {num_devices}")
+    return tuple(int(s) for s in mesh)
+  return tuple(config_lib.mesh_shape(config.mesh, num_devices))
+
+
+def proposed_microbatches(config: Any, batch_shards: int) -> int | None:
+  """A `train.num_microbatches` whose micro-batches split evenly over `batch_shards`, when the configured one's do
+  not: the largest count below it that does (the fewest rows a device over the most micro-batches that split
+  evenly); None when the configured count is fine or no count is."""
+  t, r = config.train, config.rollout
+  rows = r.batch_size * r.group_size
+  splits = lambda n: rows % (t.num_minibatches * n) == 0 and (rows // (t.num_minibatches * n)) % batch_shards == 0
+  if splits(t.num_microbatches):
+    return None
+  return next((n for n in range(int(t.num_microbatches) - 1, 0, -1) if splits(n)), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+  """One compiled program on the topology, per chip."""
+  name: str
+  compile_s: float
+  peak_bytes: int | None  # the compiler's peak_memory_in_bytes where it reports one
+  total_bytes: int  # argument + output + temp - alias
+  planned_bytes: int
+  flops: float  # the planner's FLOPs per chip for one call
+  compiler_flops: float | None  # cost_analysis()'s, a loop body counted once
+  hbm_bytes: float  # the planner's bytes read and written per chip
+  collective_bytes: float  # from the optimized program, loops' trip counts multiplied in
+  loop_collectives: int  # collective instructions inside a `while` body
+  loop_all_gathers: int
+  seconds: float  # the lower bound on the call's time
+
+
+def analyse(name: str, compiled: Any, compile_s: float, *, planned_bytes: int, flops: float, hbm_bytes: float,
+            loop_trips: int, chip: Chip) -> ProgramReport:
+  """A ProgramReport of one compiled program: its memory and collectives, and the time bound they and the
+  planner's FLOPs and bytes give on `chip`."""
+  stats = compiled.memory_analysis()
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+           - stats.alias_size_in_bytes)
+  peak = getattr(stats, "peak_memory_in_bytes", None) or None
+  text = compiled.as_text()
+  inside, outside = hlo.collectives(text, in_loops=True), hlo.collectives(text, in_loops=False)
+  collective_bytes = (sum(c.result_bytes for c in outside) + loop_trips * sum(c.result_bytes for c in inside))
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  compiler_flops = float(cost["flops"]) if cost and "flops" in cost else None
+  per_device = chip.devices_per_chip
+  seconds = max(flops / (chip.peak_flops / per_device), hbm_bytes / (chip.hbm_bandwidth / per_device),
+                collective_bytes / (chip.ici_bandwidth / per_device) if chip.ici_bandwidth else 0.0)
+  return ProgramReport(name=name, compile_s=compile_s, peak_bytes=peak, total_bytes=total,
+                       planned_bytes=planned_bytes, flops=flops, compiler_flops=compiler_flops, hbm_bytes=hbm_bytes,
+                       collective_bytes=collective_bytes, loop_collectives=len(inside),
+                       loop_all_gathers=hlo.count(inside, "all-gather"), seconds=seconds)
+
+
+def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] | None = None,
+                        phases: tuple[str, ...] = ("update", "score", "prefill", "decode"),
+                        echo: Any = None) -> tuple[tuple[int, int, int], list[ProgramReport], list[str], dict]:
+  """((data, fsdp, tensor), a ProgramReport a program, notes, the planner's work by program) of `config`'s programs
+  compiled for `target`.
+
+  A `train.num_microbatches` whose micro-batches do not split over the mesh's batch shards is replaced by
+  `proposed_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles (minutes each
+  at 7B on 2 cores).
+  """
+  from jaxrlvr.plan import work as work_lib  # pylint: disable=g-import-not-at-top
+  from jaxrlvr.plan import xla as plan_xla  # pylint: disable=g-import-not-at-top
+  devices = compile_only_devices(target)
+  sizes = mesh_sizes(config, len(devices), mesh)
+  notes = []
+  shards = sizes[0] * sizes[1]
+  proposal = proposed_microbatches(config, shards)
+  if proposal is not None:
+    notes.append(f"train.num_microbatches {config.train.num_microbatches} -> {proposal}: the configured count's "
+                 f"micro-batches do not split over the {shards} batch shards; {proposal} is the largest that does")
+    config = config.copy_and_resolve_references()
+    config.train.num_microbatches = proposal
+  config_lib.validate(config, num_devices=len(devices))
+  mesh_obj = parallel.make_mesh(*sizes, devices=devices)
+  w, wt, terms = memory_lib.phase_terms(config, sizes, backend="tpu")
+  work = work_lib.program_work(config, w, wt, len(devices))
+  reports = []
+  for phase in phases:
+    if echo:
+      echo(f"compiling {phase} for {target.topology_name} (mesh {','.join(map(str, sizes))})...")
+    (compiled, seconds), = plan_xla.compile_programs(config, mesh_obj, phases=(phase,)).values()
+    loop_trips = _outer_trips(config, w)[phase]
+    reports.append(analyse(phase, compiled, seconds, planned_bytes=sum(terms[phase].values()),
+                           flops=work[phase].flops, hbm_bytes=work[phase].hbm_bytes, loop_trips=loop_trips,
+                           chip=target.chip))
+    del compiled
+  return sizes, reports, notes, work
+
+
+def _outer_trips(config: Any, w: memory_lib.Workload) -> dict[str, int]:
+  """How often a call runs the body of each program's outer loop: a collective inside any loop of the program is
+  counted that many times (inner loops' extra trips are not: the bound stays a lower one). The micro-batches of
+  the update and the scoring pass; the prefill's row blocks and prompt chunks; the decode's tokens (the engine's
+  decode runs them in chunks of decode_chunk_steps, one program call each: the same total)."""
+  micro = config.train.num_minibatches * config.train.num_microbatches
+  blocks = -(-w.rollout_rows // w.prefill_rows) * -(-w.prompt_len // w.prefill_tokens)
+  return {"update": micro, "score": micro, "prefill": blocks, "decode": w.completion_len}
+
+
+def format_report(config: Any, target: Target, sizes: tuple[int, int, int], reports: list[ProgramReport],
+                  notes: list[str], work: dict) -> str:
+  """The printed table: one row a program, per chip."""
+  chip = target.chip
+  hbm = chip.hbm_bytes / chip.devices_per_chip
+  gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"
+  lines = [f"{config.model.preset} on {target.topology_name}: {chip.name}, mesh data,fsdp,tensor = "
+           f"{','.join(map(str, sizes))}, {hbm / 1e9:.1f} GB HBM a device; engine "
+           f"{config.rollout.get('engine', 'static')}, decode_weights {config.rollout.get('decode_weights')}",
+           *(f"  note: {n}" for n in notes),
+           "program   compile s  peak GB  arg+out+temp-alias GB  fits  planner GB  plan/compiler  "
+           "loop all-gathers  collective GB  bound ms  bound by"]
+  for r in reports:
+    used = r.peak_bytes or r.total_bytes
+    per_device = chip.devices_per_chip
+    parts = {"FLOPs": r.flops / (chip.peak_flops / per_device), "HBM": r.hbm_bytes / (chip.hbm_bandwidth / per_device),
+             "ICI": r.collective_bytes / (chip.ici_bandwidth / per_device) if chip.ici_bandwidth else 0.0}
+    lines.append(f"{r.name:<9} {r.compile_s:>9.0f}  {gb(r.peak_bytes):>7}  {gb(r.total_bytes):>21}  "
+                 f"{'yes' if used <= hbm else 'NO':>4}  {gb(r.planned_bytes):>10}  {r.planned_bytes / r.total_bytes:>13.2f}  "
+                 f"{r.loop_all_gathers:>16}  {r.collective_bytes / 1e9:>13.2f}  {r.seconds * 1e3:>8.1f}  "
+                 f"{max(parts, key=parts.get)}")
+  by_name = {r.name: r for r in reports}
+  if "update" in by_name:
+    u = by_name["update"]
+    mfu = work["update"].model_flops / (u.seconds * chip.peak_flops / chip.devices_per_chip)
+    lines.append(f"update: MFU bound {mfu:.0%} (model FLOPs {work['update'].model_flops * len_devices(sizes):.3g} "
+                 f"a step over {len_devices(sizes)} devices at the bound)")
+  if "decode" in by_name:
+    d = by_name["decode"]
+    lines.append(f"decode: {work['decode'].tokens / d.seconds:,.0f} tokens/s bound over the slice "
+                 f"({work['decode'].tokens} tokens a call)")
+  return "\n".join(lines)
+
+
+def len_devices(sizes: tuple[int, int, int]) -> int:
+  return math.prod(sizes)
