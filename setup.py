@@ -39,6 +39,10 @@ setuptools.setup(
         "gguf": ["gguf>=0.10", "accelerate", "torch"],
         "tfds": ["tensorflow-datasets>=4.9.8", "array-record"],
         "colab": ["matplotlib", "nbclient", "nbformat", "ipykernel"],
+        # Compiling the run's programs for a TPU slice on any host (python -m jaxrlvr.plan --topology=v5p:2x2x1):
+        # libtpu, at the jax version of requirements-lock.txt (pip install -c requirements-lock.txt -e '.[tpu]').
+        # With it installed and no TPU, set JAX_PLATFORMS=cpu for CPU runs (jax would try the TPU first).
+        "tpu": ["jax[tpu]"],
         # The peers benchmarks/peer_grpo.py runs beside jaxrlvr on the same workload (TRL's GRPOTrainer, in PyTorch).
         "peers": ["trl==1.16.0", "torch==2.13.0", "accelerate", "datasets>=3"],
     },
