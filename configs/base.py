@@ -163,6 +163,19 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   # the rollouts of its first N steps (the groups' advantages 0: RL has nothing to learn from) stops after step N
   # with what to change, exit code 2 (faults.UnsolvableWatch); 0: never stop. Only a run longer than N steps.
   c.train.stop_if_unsolvable_steps = 8
+  # A health warning (below, jaxrlvr/health.py) stops the run instead, with one line and exit code 2: for sweeps.
+  c.train.stop_on_collapse = False
+
+  # One warning line and a health/ metric, not a stop (train.stop_on_collapse stops), when a run falls back or stops
+  # learning (jaxrlvr/health.py): held-out accuracy below its best by more than accuracy_drop AND accuracy_drop_se
+  # standard errors (a drop within a small set's noise is none); the batch solve rate 0 for zero_solve_steps steps
+  # after being above 0 (0: not watched); ExGRPO's retired questions above retired_share of the training questions
+  # while 3 steps' rollouts solve none of the rest (1: not watched). The solve rate is read on the logged steps.
+  c.health = ml_collections.ConfigDict()
+  c.health.accuracy_drop = 0.05
+  c.health.accuracy_drop_se = 2.0
+  c.health.zero_solve_steps = 10
+  c.health.retired_share = 0.5
 
   c.replay = ml_collections.ConfigDict()
   c.replay.name = "none"
@@ -296,11 +309,11 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   c.log_every = 1
   c.eval_every = 2
   c.checkpoint_every = 2
-  # Enough that the smoke model solves a few rollouts (12-19% held-out greedy accuracy), so ExGRPO's and BAPO's smoke
-  # runs fill their buffers and replay within their 4 steps; the loop with replay on every step runs in
-  # tests/test_train_replay.py (a coin for the verifier). 600 is also the warm start of the test of rows without
-  # solutions (tests/test_own_data.py), whose cache key is the same, so a test run trains one warm start, not two.
-  c.warm_start.steps = 600
+  # No warm start: the smoke run takes seconds, not the 600 supervised steps (+3.5 minutes on 2 cores) that made its
+  # model solve a few rollouts. Its model at random initialisation solves none, so its replay buffers stay empty; the
+  # loop with replay on every step runs in tests/test_train_replay.py (a coin for the verifier), the warm start in
+  # tests/test_warm_start.py and tests/test_own_data.py.
+  c.warm_start.steps = 0
   c.data.eval_size = 16
   c.rollout.batch_size = 4
   c.rollout.group_size = 4

@@ -73,5 +73,7 @@ def get_config(arg: str | None = None):
   config.replay.max_tokens = 0  # memory cap in stored tokens; 0: none
   config.loss.shaping_beta = 0.1  # f(w) = w / (w + beta) on replayed tokens (ExGRPO's alone; other methods clip)
   if args.smoke:
-    config.replay.start_solve_rate = 0.0  # replay from the first step, so CI goes through every path
+    # Replay from the first step: a run whose answers are right (tests/test_train_replay.py's coin) replays at once.
+    # The smoke model itself, at random initialisation, solves none, so its buffer stays empty.
+    config.replay.start_solve_rate = 0.0
   return config_lib.finalize(config)

@@ -23,13 +23,13 @@ import shutil
 
 import jax
 import ml_collections
-from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrlvr import config_lib
 from jaxrlvr import faults
+from jaxrlvr import logs
 from jaxrlvr import multihost
 
 # Config keys that may change when an unfinished run resumes (or a finished one is extended); any other change is
@@ -49,7 +49,8 @@ RESUMABLE_CHANGES = (*WHERE_ONLY, "total_steps", "log_every", "eval_every", "che
                      "model.attention", "model.attention_block_size", "train.share_prompts",
                      "train.pack_completions", "train.pack_max_prompts",
                      "train.replayed_grad_share",  # a diagnostic: the update is the same
-                     "train.stop_if_unsolvable_steps")  # watches a run from step 0 only: a resumed one ignores it
+                     "train.stop_if_unsolvable_steps",  # watches a run from step 0 only: a resumed one ignores it
+                     "health.", "train.stop_on_collapse")  # what the run says (or whether it stops), not computes
 
 
 _SEP = "::"  # nesting separator of packed host-state keys (replay state keys themselves contain '/')
@@ -246,8 +247,7 @@ class Checkpointer:
       shutil.move(os.path.join(self.directory, str(step)), target)
       message = (f"the checkpoint of step {step} in {self.directory} cannot be read ({faults.error_reason(error)}); "
                  f"moved it to {target} and resuming from the one before it")
-      logging.warning("%s", message)
-      print(f"jaxrlvr: {message}", flush=True)
+      logs.say(message)
     multihost.barrier(f"checkpoint-set-aside-{step}")
     self._set_aside.append(step)
     self._manager.reload()

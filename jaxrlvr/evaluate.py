@@ -2,6 +2,7 @@
 
 Metrics (names as logged):
   eval/accuracy            greedy (temperature 0) accuracy, one completion per question
+  eval/questions           how many held-out questions it is over (its standard error: jaxrlvr/health.py)
   eval/pass@{k}            unbiased pass@k from n = k samples per question at the sampling temperature
   eval/avg@{k}             mean accuracy of those samples (avg@k)
   eval/response_length     mean greedy completion length in tokens
@@ -116,6 +117,7 @@ def evaluate_with_samples(generate_fn: GenerateFn, examples: Sequence[data_lib.E
   if greedy:
     completions, correct, lengths = run(0.0, 1)
     metrics["eval/accuracy"] = float(correct.mean())
+    metrics["eval/questions"] = float(len(prompts))
     metrics["eval/response_length"] = mean_length(lengths.ravel())
     metrics["eval/boxed"] = float(np.mean(["\\boxed{" in c for c in completions]))
     for source, value in by_source(correct[:, 0], sources).items():

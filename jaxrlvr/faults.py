@@ -39,6 +39,7 @@ import jax
 from absl import logging
 
 from jaxrlvr import config_lib
+from jaxrlvr import logs
 from jaxrlvr import multihost
 from jaxrlvr import outputs
 from jaxrlvr import replay
@@ -130,8 +131,7 @@ class StopSignals:
     for fn in close:
       fn()
     self.restore()
-    logging.info("preempted at step %d (signal %s)", step, self.received)
-    print(f"jaxrlvr: preempted at step {step}; the same command resumes", flush=True)
+    logs.say(f"preempted at step {step}; the same command resumes")
     sys.stderr.flush()
     raise Preempted(step, _EXIT_CODES.get(self.received, 0))
 

@@ -8,8 +8,9 @@ a --workdir that cannot be written) ends the job with one line on stderr, `jaxrl
 `--verbose` or JAXRLVR_VERBOSE=1 shows its traceback instead. So does a run that cannot go on for a reason outside
 the code (faults.RunError: a checkpoint the disk refuses, a diverged loss; a JudgeError: an HTTP judge that refuses
 the run's key or model, or is down with exprl.judge.on_failure='error'; replay.QuestionsExhausted: ExGRPO retired
-every question the run draws from). Any other exception is a bug and keeps its traceback. SIGTERM and Ctrl-C save
-the step in flight and exit 0 and 130 (faults.py).
+every question the run draws from; health.Collapsed: a run that stopped learning, with train.stop_on_collapse). Any
+other exception is a bug and keeps its traceback. SIGTERM and Ctrl-C save the step in flight and exit 0 and 130
+(faults.py).
 """
 import gc
 
@@ -32,6 +33,7 @@ from ml_collections import config_flags
 from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
 from jaxrlvr import faults
+from jaxrlvr import health
 from jaxrlvr import logs
 from jaxrlvr import replay
 from jaxrlvr import rewards
@@ -58,7 +60,8 @@ def main(argv):
   if len(argv) > 1:
     _fail(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --config.optim.lr=1e-6")
   _check_workdir(_WORKDIR.value)
-  logs.setup(verbose=_verbose(), log_sharding=_LOG_SHARDING.value)  # libraries' INFO lines off (logs.py)
+  # Libraries' INFO lines off, ours plain (absl's format with --verbosity, logs.py).
+  logs.setup(verbose=_verbose(), log_sharding=_LOG_SHARDING.value, plain=not flags.FLAGS["verbosity"].present)
   xla_cpu.setup_process()  # before JAX starts: the CPU client's threads, and a malloc that keeps freed memory
   use_compilation_cache(_CONFIG.value.get("compilation_cache_dir", ""))
   try:
@@ -69,7 +72,7 @@ def main(argv):
     _freeze_long_lived_objects()
     train.run(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, data_lib.DataError, faults.RunError, rewards.JudgeError,
-          replay.QuestionsExhausted) as e:
+          replay.QuestionsExhausted, health.Collapsed) as e:
     if _verbose():
       raise
     _fail(str(e))

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxrlvr import config_lib
 from jaxrlvr import data as data_lib
+from jaxrlvr import logs
 from jaxrlvr import models
 from jaxrlvr import multihost
 from jaxrlvr import parallel
@@ -234,9 +235,8 @@ def build_policy(config: ml_collections.ConfigDict, mesh, book: rollout.PromptBo
             f"is warm-started on the embedded task's worked solutions ({warm_start.EMBEDDED_TASK}, the default "
             f"command's cached warm start) and RL then trains on the rows of {config.data.source}; "
             "--config.warm_start.embedded_fallback=False skips this")
-    logging.info("warm start on the embedded task: %s", note)
     if multihost.is_main():
-      print(f"jaxrlvr: {note}.")
+      logs.say(f"{note}.")
   elif missing:
     logging.info("warm start skipped: %d of the first %d training rows of %s have no '%s' (data.solution_field) to "
                  "imitate, so RL starts from the %r preset at random initialisation", missing,

@@ -30,6 +30,7 @@ from jaxrlvr import compile_ahead
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import export as export_lib
 from jaxrlvr import faults
+from jaxrlvr import health
 from jaxrlvr import logs
 from jaxrlvr import multihost
 from jaxrlvr import outputs
@@ -61,9 +62,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   unsolvable = faults.UnsolvableWatch(config, start_step=start_step, num_eval=len(trainer.data.eval_examples),
                                       writer=writer)
   nonfinite = faults.NonFiniteStreak(config.optim.get("max_nonfinite_steps", 0), checkpointer.directory)
+  # Warns (train.stop_on_collapse: stops) when held-out accuracy falls back or the rollouts stop solving (health.py).
+  watch = health.Watch(health.Thresholds.from_config(config),
+                       num_train=run_setup.rl_train_size(config, trainer.data.train_set))
   trainer.prepare_first_rollout()  # in the background, beside the step-0 evaluation
   if start_step == 0:
-    writer.write(0, unsolvable.evaluated(trainer.evaluate(0)))
+    writer.write(0, _with_health(watch, config, 0, unsolvable.evaluated(trainer.evaluate(0))))
+    _note_held_out(config, trainer.data, writer.latest)
 
   last = dict(writer.latest)
   # Everything built so far (libraries, model, compiled steps) lives until the end: freezing it keeps Python's cyclic
@@ -98,12 +103,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       row = trainer.log_row(sampled, rollout_info, update_metrics, clip_fresh, times)
       if evaluating:
         row.update(trainer.evaluate(done))
+      row = _with_health(watch, config, done, row)
       writer.write(done, row)
       _log_host_row(done, row, jax.process_count())
       last = row
     elif evaluating:
-      writer.write(done, trainer.evaluate(done))
+      writer.write(done, _with_health(watch, config, done, trainer.evaluate(done)))
     writer.advance(done)
+    _stop_if_collapsed(watch, config, done, writer)
     nonfinite.check(done, update_metrics["metrics"])
 
     saved = done % config.checkpoint_every == 0 or done == config.total_steps
@@ -134,15 +141,13 @@ def _resumable_step(checkpointer: checkpointing.Checkpointer, config: ml_collect
   meta = checkpointer.read_meta(latest)
   checkpointer.check_config(meta, config, step=latest)
   if latest >= config.total_steps:
-    logging.info("run in %s already finished at step %d of %d", workdir, latest, config.total_steps)
     export_lib.export_if_missing(workdir, latest)  # killed between its last checkpoint and its export
-    print(f"jaxrlvr: the run in {workdir} is finished (step {latest} of {config.total_steps}); nothing to do.")
+    logs.say(f"the run in {workdir} is finished (step {latest} of {config.total_steps}); nothing to do.")
     return latest
   checkpointer.check_processes(meta)
   extension = checkpointing.extension_note(meta["config"], config.to_dict(), step=latest)
   if extension and multihost.is_main():
-    logging.info("the run in %s %s", workdir, extension)
-    print(f"jaxrlvr: the run in {workdir} {extension}.")
+    logs.say(f"the run in {workdir} {extension}.")
   return latest
 
 
@@ -434,6 +439,35 @@ def _timer(times: collections.Counter, key: str):
     yield
   finally:
     times[key] += time.perf_counter() - t
+
+
+def _with_health(watch: health.Watch, config: ml_collections.ConfigDict, step: int, row: dict) -> dict:
+  """`row` with its health/ metrics. Each warning the row raises is one line (host 0's; every host sees the same
+  global row); with train.stop_on_collapse the stop says it instead (`_stop_if_collapsed`)."""
+  found = watch.observe(step, row)
+  if found and multihost.is_main() and not config.train.get("stop_on_collapse", False):
+    for _, message in found:
+      logging.warning("%s", message)
+  return {**row, **health.metrics(found, watch)}
+
+
+def _stop_if_collapsed(watch: health.Watch, config: ml_collections.ConfigDict, step: int,
+                       writer: outputs.MetricWriter) -> None:
+  """train.stop_on_collapse: a step whose row raised a health warning ends the run, on every host (the same row),
+  its metrics written and its progress bar closed first so that the message comes last."""
+  if watch.latest and config.train.get("stop_on_collapse", False):
+    writer.close()
+    raise health.Collapsed(f"stopped at step {step} of {config.total_steps} (train.stop_on_collapse=True): "
+                           f"{watch.latest[0][1]}")
+
+
+def _note_held_out(config: ml_collections.ConfigDict, data: run_setup.Data, step0: dict) -> None:
+  """Says once, at start, how little a held-out set under health.SMALL_HELD_OUT questions can measure (host 0)."""
+  if multihost.is_main() and health.ACCURACY_KEY in step0:
+    note = health.held_out_note(len(data.eval_examples), step0[health.ACCURACY_KEY], config.data,
+                                available=len(data.eval_set))
+    if note:
+      logging.info("%s", note)
 
 
 def fresh_tokens_clipped(config: ml_collections.ConfigDict, plan: replay.Plan) -> bool:

@@ -10,8 +10,7 @@ tests start (`job_env`), whose figures are not what a test checks.
 
 A smoke main command whose programs are not yet in the test run's compilation cache: 21.3 CPU-s at XLA's defaults,
 11.6-12.2 with these flags (grpo; exgrpo 22.2 against 12.1); one whose programs are cached: 7.5 against 8.0-8.3
-(2026-12-06). Jobs that mostly run keep XLA's defaults: the smoke warm start (600 supervised steps, conftest.py's
-`smoke_warm_start`, trained before the jobs that load it), ExpRL's smoke run (its judge decodes every step), the
+(2026-12-06). Jobs that mostly run keep XLA's defaults: ExpRL's smoke run (its judge decodes every step), the
 smollm2-135m RL run and own data's 30-step learning run; and benchmarks/main_command.py runs the README's commands as
 a user runs them.
 """

@@ -75,8 +75,8 @@ def test_evaluate_driver():
 
   greedy_only = ev.evaluate(generate_fn, _examples(), reward_fn=reward_fn)
   assert greedy_only["eval/boxed"] == pytest.approx(0.5)  # the two right answers are the boxed ones
-  assert set(greedy_only) == {"eval/accuracy", "eval/response_length", "eval/boxed", "eval/aime/accuracy",
-                              "eval/math500/accuracy"}
+  assert set(greedy_only) == {"eval/accuracy", "eval/questions", "eval/response_length", "eval/boxed",
+                              "eval/aime/accuracy", "eval/math500/accuracy"}
   with pytest.raises(ValueError, match="k=4 samples at temperature 0.0 would all be the greedy answer"):
     ev.evaluate(generate_fn, _examples(), k=4, temperature=0.0, reward_fn=reward_fn)
   with pytest.raises(ValueError, match="returned 3 completions and 3 lengths for 4 prompts x n=1"):

@@ -85,7 +85,7 @@ def _logged(workdir, step):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, smoke_warm_start):
   """The uninterrupted run: checkpoints at steps 2 and 4."""
-  del smoke_warm_start  # trained first; the command names its cache (JAXRLVR_WARM_START_CACHE)
+  del smoke_warm_start  # the command names its cache (JAXRLVR_WARM_START_CACHE)
   workdir = str(tmp_path_factory.mktemp("reference") / "run")
   result = _run(workdir)
   assert result.returncode == 0, result.stderr[-4000:]

@@ -188,7 +188,7 @@ def test_malformed_jsonl_row_names_file_line_row_and_column(tmp_path):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, smoke_warm_start):
   """A grpo smoke run finished at step 1; each test works on a copy."""
-  del smoke_warm_start  # trained first; the command names its cache (JAXRLVR_WARM_START_CACHE)
+  del smoke_warm_start  # the command names its cache (JAXRLVR_WARM_START_CACHE)
   workdir = str(tmp_path_factory.mktemp("finished") / "run")
   result = _main(*_grpo(workdir, "--config.total_steps=1"))
   assert result.returncode == 0, result.stderr[-4000:]

@@ -30,9 +30,8 @@ def _command(workdir: str, cache: str, *extra: str, processes: int = 2) -> list[
 
 
 def _run(workdir: str, cache: str, *extra: str, processes: int = 2, devices: int = 4) -> subprocess.CompletedProcess:
-  # Compiled light (tests/light_compile.py): a few smoke steps are mostly compiling; the warm start they load was
-  # trained by `smoke_warm_start` (tests/conftest.py) on one device, at XLA's defaults: two processes would train it
-  # over CPU collectives, several times slower.
+  # Compiled light (tests/light_compile.py): a few smoke steps are mostly compiling (the smoke config trains no warm
+  # start).
   return subprocess.run(_command(workdir, cache, *extra, processes=processes), cwd=_REPO,
                         env=light_compile.job_env(devices), capture_output=True, text=True, timeout=_TIMEOUT_S)
 

@@ -39,7 +39,7 @@ def _outputs(nb, kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _NOTEBOOKS)
 def test_runs_top_to_bottom(name, tmp_path, monkeypatch, request):
-  if name == "quickstart.ipynb":  # its smoke run loads the smoke warm start: trained first (tests/conftest.py)
+  if name == "quickstart.ipynb":  # its smoke run names the test run's warm-start cache (tests/conftest.py)
     request.getfixturevalue("smoke_warm_start")
   # The kernel inherits this environment: one CPU device as on a Colab CPU runtime (compiled light:
   # tests/light_compile.py), the run's workdir under tmp_path, and the test run's shared warm-start cache

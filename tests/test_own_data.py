@@ -52,6 +52,8 @@ def _smoke_config(spec: str, **data_overrides):
     for key, value in data_overrides.items():
       config.data[key] = value
     config.warm_start.cache_dir = os.environ["JAXRLVR_WARM_START_CACHE"]  # the tokenizer's cache only
+    # The smoke configs train no warm start; these tests check which one a run takes (each stubs or skips it).
+    config.warm_start.steps = 600
   return config
 
 
@@ -131,8 +133,8 @@ def _main(tmp_path, *args: str) -> subprocess.CompletedProcess:
 def test_rows_without_solutions_learn_with_only_the_source_flag(tmp_path):
   """The issue's run: configs/exgrpo.py and only the source flag (30 steps instead of 200). The tiny preset is
   warm-started on the embedded task as the default command warm-starts it, says so in one line, and RL on the rows
-  scores above 0. The warm start is 600 steps instead of the default's 1,200 (with the 1,200 this test took 237 s):
-  the smoke configs' warm start, whose cache key is the same, so a test run trains it once for both. 300 steps were
+  scores above 0. The warm start is 600 steps instead of the default's 1,200 (with the 1,200 this test took 237 s).
+  300 steps were
   too close to the edge: from them the held-out accuracy went 0 -> 50% in the 30 steps on one machine, while on
   another (same code, XLA:CPU rounding otherwise) the policy solved 10 of the 1,024 rollouts of steps 1-8 and the run
   stopped (train.stop_if_unsolvable_steps). From 600 steps: 17% at step 0, 50% at step 30 with one pair a row in

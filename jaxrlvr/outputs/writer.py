@@ -14,6 +14,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from jaxrlvr import health
 from jaxrlvr.outputs import records
 
 
@@ -125,6 +126,8 @@ class MetricWriter:
     if self._bar is None:
       return
     shown = {label: f"{self.latest[k]:.3g}" for k, label in _PROGRESS_KEYS if k in self.latest}
+    if "eval" in shown and self.latest.get(health.QUESTIONS_KEY):  # beside it, its standard error
+      shown["eval"] = health.interval(self.latest[records.ACCURACY_KEY], int(self.latest[health.QUESTIONS_KEY]))
     self._bar.set_postfix(shown, refresh=False)
     self._bar.update(step - self._bar.n)
 
@@ -150,12 +153,14 @@ def _draw_summary(rows: dict[int, dict], path: str, *, title: str, total_steps: 
 
 
 def eval_line(row: dict) -> str:
-  """An evaluation row in one line: accuracy, then pass@k, avg@k and the greedy response length when present (the
-  per-source values are in metrics.jsonl and the summary figure)."""
-  parts = [f"held-out accuracy {row[records.ACCURACY_KEY]:.3f}"]
+  """An evaluation row in one line: accuracy with its standard error and question count, then pass@k, avg@k and the
+  greedy response length when present (the per-source values are in metrics.jsonl and the summary figure)."""
+  accuracy, n = row[records.ACCURACY_KEY], int(row.get(health.QUESTIONS_KEY, 0))
+  parts = [f"held-out accuracy {health.interval(accuracy, n)} ({n} questions)" if n
+           else f"held-out accuracy {accuracy:.3f}"]
   for key in sorted(row):
     name = key[len("eval/"):]
-    if key.startswith("eval/") and "/" not in name and key != records.ACCURACY_KEY:
+    if key.startswith("eval/") and "/" not in name and key not in (records.ACCURACY_KEY, health.QUESTIONS_KEY):
       parts.append(f"{name} {row[key]:.3g}")
   return ", ".join(parts)
 
