@@ -197,6 +197,10 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.eval.k = 1  # samples per question for avg@k / pass@k at eval.temperature (greedy accuracy is always reported)
   c.eval.temperature = 0.0
   c.eval.num_samples = 4  # held-out questions whose greedy answers go to DIR/samples.jsonl at every evaluation
+  # Besides every eval_every steps: evaluate at the first step whose cumulative generated rollout tokens (the logged
+  # rollout/sampled_tokens summed) reach each of these counts, e.g. (50000, 100000). `python -m jaxrlvr.compare`
+  # passes its budget's marks here, so that every arm is read at the budget itself, within one step's tokens.
+  c.eval.token_marks = ()
 
   if args.model == "tiny":
     # The embedded default (docs/design.md, "The embedded default"): warm-start the tiny model, then RL. The teacher

@@ -126,6 +126,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
          t.pack_completions, "packed row counts are fractions of a micro-batch's rows, each in (0, 1); (): off")
   _check(t.pack_max_prompts >= 1, "train.pack_max_prompts", t.pack_max_prompts, "must be at least 1")
   _check(c.eval.num_samples >= 0, "eval.num_samples", c.eval.num_samples, "must be >= 0 (0: no DIR/samples.jsonl)")
+  marks = c.eval.get("token_marks", ())
+  _check(isinstance(marks, (tuple, list)) and all(isinstance(m, (int, float)) and m > 0 for m in marks),
+         "eval.token_marks", marks, "cumulative generated rollout tokens, each > 0, e.g. (50000, 100000); (): none")
   rows = r.batch_size * r.group_size
   _check(rows % (t.num_minibatches * t.num_microbatches) == 0, "train.num_microbatches", t.num_microbatches,
          f"rollouts per step ({r.batch_size} x {r.group_size} = {rows}) must be divisible by "

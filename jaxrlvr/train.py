@@ -62,6 +62,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   unsolvable = faults.UnsolvableWatch(config, start_step=start_step, num_eval=len(trainer.data.eval_examples),
                                       writer=writer)
   nonfinite = faults.NonFiniteStreak(config.optim.get("max_nonfinite_steps", 0), checkpointer.directory)
+  token_marks = TokenMarks(config, workdir, start_step)  # eval.token_marks: the comparison's budget marks
   # Warns (train.stop_on_collapse: stops) when held-out accuracy falls back or the rollouts stop solving (health.py).
   watch = health.Watch(health.Thresholds.from_config(config),
                        num_train=run_setup.rl_train_size(config, trainer.data.train_set))
@@ -97,7 +98,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     # Log, evaluate, checkpoint.
     done = step + 1
-    evaluating = done % config.eval_every == 0 or done == config.total_steps
+    mark = token_marks.reached(rollout_info[outputs.TOKENS_KEY])  # before the `or`: it counts every step's tokens
+    evaluating = done % config.eval_every == 0 or done == config.total_steps or mark
     if done % config.log_every == 0 or done == config.total_steps:
       times["step"] = time.perf_counter() - t_step
       row = trainer.log_row(sampled, rollout_info, update_metrics, clip_fresh, times)
@@ -439,6 +441,35 @@ def _timer(times: collections.Counter, key: str):
     yield
   finally:
     times[key] += time.perf_counter() - t
+
+
+class TokenMarks:
+  """`eval.token_marks`: the run also evaluates at the first step whose cumulative generated rollout tokens reach each
+  mark. The tokens are counted as metrics.jsonl logs them (`rollout/sampled_tokens`, the hosts' mean) and summed as
+  the comparison sums them, so a comparison that passes its budget reads every arm at the budget itself."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, start_step: int):
+    self.marks = sorted(float(m) for m in config.eval.get("token_marks", ()))
+    self.tokens = self._tokens_before(workdir, start_step) if self.marks and start_step else 0.0
+    self.passed = sum(m <= self.tokens for m in self.marks)  # marks a resumed run had reached already
+
+  @staticmethod
+  def _tokens_before(workdir: str, step: int) -> float:
+    """A resumed run's tokens up to its checkpoint, from metrics.jsonl (host 0 writes it; the others get its sum)."""
+    total = 0.0
+    if multihost.is_main():
+      rows = outputs.read_rows(os.path.join(workdir, "metrics.jsonl"))
+      total = outputs.cumulative_tokens({s: r for s, r in rows.items() if s <= step}, source=workdir)[step]
+    return multihost.host_mean({"tokens": total})["tokens"] * jax.process_count()  # host 0's total on every host
+
+  def reached(self, step_tokens: float) -> bool:
+    """Adds one step's tokens (this host's); True when the total reached a mark it had not reached before."""
+    if not self.marks:
+      return False
+    self.tokens += multihost.host_mean({"tokens": step_tokens})["tokens"]  # the same total on every host
+    passed = sum(m <= self.tokens for m in self.marks)
+    reached, self.passed = passed > self.passed, passed
+    return reached
 
 
 def _with_health(watch: health.Watch, config: ml_collections.ConfigDict, step: int, row: dict) -> dict:

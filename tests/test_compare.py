@@ -15,6 +15,9 @@ from jaxrlvr import outputs
 from jaxrlvr.compare import plots
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The end-to-end run's budget: its smoke steps generate ~190 tokens each (4 questions x 4 samples), so every arm
+# reaches it in its 4 steps, and its quarters at different steps.
+_SMOKE_BUDGET = 450
 
 
 def _write_run(workdir, *, method, seed, tokens_per_step, evals, step_s=1.0, extra=None, duplicate_from=None):
@@ -51,17 +54,81 @@ def test_confidence_interval_by_hand():
   assert mean == pytest.approx(0.4) and np.isnan(half)
 
 
-def test_area_under_curve_and_accuracy_at_budget_by_hand():
+def test_holm_adjustment_and_the_primary_endpoint_by_hand():
+  # p = 0.01, 0.04, 0.03, 0.005 and an arm without pairs. Sorted: 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 gives
+  # 0.02, 0.03, 0.06, 0.04; the running maximum keeps the order: 0.02, 0.03, 0.06, 0.06. Levels 0.05 / 4, / 3, / 2, / 1.
+  adjusted, levels = compare.holm([0.01, 0.04, 0.03, 0.005, float("nan")])
+  np.testing.assert_allclose(adjusted[:4], [0.03, 0.06, 0.06, 0.02])
+  np.testing.assert_allclose(levels[:4], [0.05 / 3, 0.05, 0.025, 0.0125])
+  assert np.isnan(adjusted[4]) and np.isnan(levels[4])
+  np.testing.assert_allclose(compare.holm([0.5, 0.6])[0], [1.0, 1.0])  # 2 x 0.5 capped at 1; 0.6 keeps the order
+  # Paired t, differences 0.1, 0.2, 0.3: t = 0.2 / (0.1 / sqrt 3) = sqrt 12 with 2 degrees of freedom, whose two-sided
+  # p-value is 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14) = 0.0741799.
+  assert compare.paired_t([0.1, 0.2, 0.3]) == pytest.approx(0.0741799, abs=1e-7)
+  assert compare.paired_t([0.2, 0.2]) == 0.0 and compare.paired_t([0.0, 0.0]) == 1.0
+  assert np.isnan(compare.paired_t([0.1]))
+  # Three arms against grpo over 3 seeds: a (0.1, 0.2, 0.3): p 0.0741799; b (all 0): p 1; c (all 0.2): p 0. Holm:
+  # c 3 x 0 = 0 at 0.05 / 3; a 2 x 0.0741799 = 0.1483598 at 0.025; b 1 at 0.05. a's interval at 97.5%: the t quantile
+  # with 2 degrees of freedom at 1 - 0.025 / 2 = 0.9875 is (2q - 1) / sqrt(2q(1 - q)) = 0.975 / sqrt(0.0246875)
+  # = 6.205353, times the standard error 0.1 / sqrt 3 -> 0.358266.
+  runs = [{"method": m, "accuracy_vs_baseline": d} for m, ds in
+          (("grpo", (0, 0, 0)), ("a", (0.1, 0.2, 0.3)), ("b", (0, 0, 0)), ("c", (0.2, 0.2, 0.2))) for d in ds]
+  primary = {r["method"]: r for r in compare.stats.primary_endpoint(runs, "grpo")}
+  assert sorted(primary) == ["a", "b", "c"]
+  assert primary["a"]["p_holm"] == pytest.approx(0.1483598, abs=1e-7) and primary["a"]["level"] == 0.025
+  assert primary["a"]["mean"] == pytest.approx(0.2) and primary["a"]["half_width"] == pytest.approx(0.358266, abs=1e-6)
+  assert (primary["b"]["p_holm"], primary["b"]["level"]) == (1.0, 0.05)
+  assert primary["c"]["p_holm"] == 0.0 and primary["c"]["level"] == pytest.approx(0.05 / 3)
+
+
+def test_area_under_curve_and_the_reading_by_hand():
   tokens, acc = np.array([0, 100, 300, 500]), np.array([0.1, 0.3, 0.5, 0.9])
-  # Budget 400: 100 x (0.1 + 0.3) / 2 = 20, 200 x (0.3 + 0.5) / 2 = 80, then 0.5 held for 100 tokens = 50
-  # (the eval at 500 is past the budget) -> 150 / 400 = 0.375.
-  assert compare.area_under_curve(tokens, acc, 400) == pytest.approx(0.375)
-  assert compare.accuracy_at(tokens, acc, 400) == pytest.approx(0.5)
-  # Budget 250: 20 + 150 x 0.3 = 65 -> 65 / 250 = 0.26; the last eval at or below 250 is the one at 100.
-  assert compare.area_under_curve(tokens, acc, 250) == pytest.approx(0.26)
-  assert compare.accuracy_at(tokens, acc, 250) == pytest.approx(0.3)
+  # Budget 400: 100 x (0.1 + 0.3) / 2 = 20, 200 x (0.3 + 0.5) / 2 = 80, then up to the budget's value, interpolated
+  # between the evals at 300 and 500: 0.7, so 100 x (0.5 + 0.7) / 2 = 60 -> 160 / 400 = 0.4.
+  assert compare.area_under_curve(tokens, acc, 400) == pytest.approx(0.4)
+  # Budget 250: 20 + 150 x (0.3 + 0.45) / 2 = 76.25 -> 0.305; past the last eval (600) its value is held:
+  # 20 + 80 + 200 x (0.5 + 0.9) / 2 + 100 x 0.9 = 330 -> 0.55.
+  assert compare.area_under_curve(tokens, acc, 250) == pytest.approx(0.305)
+  assert compare.area_under_curve(tokens, acc, 600) == pytest.approx(0.55)
   with pytest.raises(ValueError, match="0 tokens"):
     compare.area_under_curve(tokens[1:], acc[1:], 400)
+  # A run whose step that reached 250 tokens ended at 300 and evaluated there is read there; one that reached it at
+  # 280 without evaluating falls back to its last evaluation at or below 250 (the one at 100).
+  assert compare.reading(tokens, 250, reach=300) == (2, True)
+  assert compare.reading(tokens, 250, reach=280) == (1, False)
+  assert compare.budget_step({0: 0.0, 1: 120.0, 2: 260.0, 3: 390.0}, 250) == 2
+  assert compare.budget_step({0: 0.0, 1: 120.0}, 250) is None
+
+
+def test_arms_with_different_step_costs_are_read_at_the_same_budget(tmp_path):
+  """Two runs given the budget's marks (eval.token_marks), as the trainer writes them: grpo 100 tokens a step, bapo
+  130, both evaluating every 5 steps and at the first step that reached each quarter of the 1,000-token budget. Each
+  is read at its evaluation at the budget, within one step's tokens of it, and so of each other; the old reading (the
+  last evaluation at or below the budget) read bapo at step 6, 780 tokens, 220 short: more than a step."""
+  budget, marks = 1000, compare.arms.budget_marks(1000)
+  assert marks == (250, 500, 750, 1000)
+
+  def evals(cost, steps=10):  # every 5 steps, the last step, and where the cumulative tokens first reach a mark
+    at_marks = {next(s for s in range(1, steps + 1) if s * cost >= m) for m in marks}
+    return {s: 0.3 + 0.01 * s for s in {0, *range(5, steps + 1, 5), steps, *at_marks}}
+
+  _write_run(str(tmp_path / "grpo-s0"), method="grpo", seed=0, tokens_per_step=[100] * 10, evals=evals(100))
+  _write_run(str(tmp_path / "bapo-s0"), method="bapo", seed=0, tokens_per_step=[130] * 10, evals=evals(130))
+  runs = [outputs.load_run(str(tmp_path / n)) for n in ("grpo-s0", "bapo-s0")]
+  summary = compare.summarize(runs, budget_tokens=budget)
+  by_run = {r["run"]: r for r in summary.runs}
+  for run, cost in (("grpo-s0", 100), ("bapo-s0", 130)):
+    r = by_run[run]
+    assert r["read_at_budget"] and budget <= r["read_tokens"] < budget + cost, r
+  assert abs(by_run["grpo-s0"]["read_tokens"] - by_run["bapo-s0"]["read_tokens"]) <= 130
+  # bapo reached 1,000 tokens at step 8 (1,040) and is read there: 0.38; grpo at step 10 (1,000): 0.40.
+  assert (by_run["bapo-s0"]["read_step"], by_run["bapo-s0"]["final_accuracy"]) == (8, pytest.approx(0.38))
+  assert (by_run["grpo-s0"]["read_step"], by_run["grpo-s0"]["final_accuracy"]) == (10, pytest.approx(0.40))
+  out = str(tmp_path / "out")
+  compare.write_results(summary, out)
+  with open(os.path.join(out, "results.md")) as f:
+    text = f.read()
+  assert "| bapo-s0 | 8 | 1,040 | yes |" in text and "| grpo-s0 | 10 | 1,000 | yes |" in text
 
 
 def test_resumed_rows_are_deduplicated_and_a_gap_is_an_error(tmp_path):
@@ -151,7 +218,11 @@ def test_results_files_and_figures(tmp_path):
       [r["auc"] for r in summary.runs if r["method"] == "exgrpo"])))
   with open(os.path.join(out, "results.md")) as f:
     text = f.read()
-  assert "| grpo | 2 | 0.500 ± 1.271 | 0.300 ± 1.271 | baseline |" in text  # accuracy, gain, vs itself
+  assert "| grpo | 2 | 0.500 ± 1.271 | 0.300 ± 1.271 | 0.375 ± 0.953 | baseline |" in text  # accuracy, gain, AUC
+  # The primary endpoint: exgrpo - grpo is +0.2 on both seeds (no spread: p 0), one arm, so Holm's level is 0.05.
+  assert "| exgrpo | 2 | 0.200 ± 0.000 | 95.00% | 0.0000 | 0.0000 |" in text
+  assert text.index("## Primary endpoint") < text.index("## Exploratory") and "**" not in text
+  assert "groups with signal (share of groups)" in text and "share of tokens, policy/zero_adv_frac" in text
   assert "![accuracy_vs_budget](accuracy_vs_budget.png)" in text and "bapo-s0" in text
   # Without ExGRPO runs there is no bucket heatmap, and the other figures are still drawn.
   assert plots.bucket_heatmap(runs[:2], str(tmp_path / "none.png")) is None
@@ -280,15 +351,19 @@ def test_mechanism_figures_by_hand():
 
 @pytest.mark.slow
 def test_cli_end_to_end_on_smoke_configs(tmp_path):
-  """The paper-shaped preset on the smoke configs, one seed, an ablation arm and the supervised control: runs,
-  results, figures, questions that come back, pass@8, 2 optimizer steps a batch, the mechanism figures, the
-  control's wall time and warm start; a second invocation trains nothing. (The data-limited preset differs in its
-  overrides only: test_presets_make_their_overrides.)"""
+  """The replay testbed on the smoke configs at a budget fixed before the runs, one seed, ExGRPO with eq. 4's clip
+  and the supervised control: runs, every arm evaluated at the budget and read there, results, figures, questions
+  that come back, pass@8, 2 optimizer steps a batch, the mechanism figures, the control's wall time and warm start; a
+  second invocation trains nothing. (The other presets differ in their overrides only:
+  test_presets_make_their_overrides.)"""
   outdir = str(tmp_path / "compare")
-  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--preset=paper_shaped", "--seeds=1",
-         "--arms=grpo,exgrpo-no_shaping,sft", f"--outdir={outdir}",
-         f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2",
-         "--override=warm_start.steps=30"]
+  # Smoke size: 4 questions x 4 samples a step (not the preset's 16 x 8) and 16 held-out questions (not 768);
+  # evaluations at step 4 and at the budget's marks only, so the marks' own evaluations are seen.
+  cmd = [sys.executable, "-m", "jaxrlvr.compare", "--smoke", "--preset=replay_testbed", "--seeds=1",
+         f"--budget_tokens={_SMOKE_BUDGET}", "--eval_every=4", "--arms=grpo,exgrpo-mixed_clip,sft",
+         f"--outdir={outdir}", f"--warm_start_cache={os.environ['JAXRLVR_WARM_START_CACHE']}", "--parallel=2",
+         "--override=warm_start.steps=30", "--override=rollout.batch_size=4", "--override=rollout.group_size=4",
+         "--override=data.eval_size=16"]
   # One CPU device, compiled light (tests/light_compile.py; the tool passes the flags on to its arms): each arm runs
   # a few steps of programs no other test compiles, so compiling is most of its cost, and nothing here reads a
   # timing or a figure the flags change (81 -> 64 CPU-s for this command on 2 cores). The arms train the preset's own
@@ -301,21 +376,35 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   assert "compare: sft-s0: supervised control for" in first.stdout
   with open(os.path.join(outdir, "results.csv")) as f:
     table = {r["method"]: r for r in csv.DictReader(f)}
-  assert list(table) == ["grpo", "exgrpo-no_shaping", "sft"]
-  budget = float(table["grpo"]["budget_tokens"])
+  assert list(table) == ["grpo", "exgrpo-mixed_clip", "sft"]
+  assert float(table["grpo"]["budget_tokens"]) == _SMOKE_BUDGET
   runs = {n: outputs.load_run(os.path.join(outdir, "runs", f"{n}-s0"), method=n, seed=0)
-          for n in ("grpo", "exgrpo-no_shaping", "sft")}
-  assert budget == min(runs["grpo"].total_tokens, runs["exgrpo-no_shaping"].total_tokens) > 0
+          for n in ("grpo", "exgrpo-mixed_clip", "sft")}
+  # Each RL run evaluated at step 0, at its last step and at the first step whose tokens reached each quarter of the
+  # budget (--eval_every=4 adds none), and is read at the one that reached the budget.
+  marks = compare.arms.budget_marks(_SMOKE_BUDGET)
+  with open(os.path.join(outdir, "runs.csv")) as f:
+    read = {r["run"]: r for r in csv.DictReader(f)}
+  for name in ("grpo", "exgrpo-mixed_clip"):
+    run = runs[name]
+    assert run.total_tokens >= _SMOKE_BUDGET and max(run.rows) == 4, (name, run.total_tokens)
+    at_marks = {compare.budget_step(run.tokens, m) for m in marks}
+    assert set(run.series(outputs.ACCURACY_KEY)[0]) == {0, 4} | at_marks, name
+    at_budget = compare.budget_step(run.tokens, _SMOKE_BUDGET)
+    row = read[f"{name}-s0"]
+    assert (int(row["read_step"]), float(row["read_tokens"]), row["read_at_budget"]) == (
+        at_budget, run.tokens[at_budget], "True")
   # The preset: 4 smoke steps x 4 questions over data.rl_train_size = 16 / 2 = 8 questions, so GRPO sampled each
-  # of them 2 times; pass@8 at every evaluation; 2 optimizer steps a batch; the arm's override on top.
-  with open(os.path.join(outdir, "runs", "exgrpo-no_shaping-s0", "config.json")) as f:
+  # of them 2 times; pass@8 at every evaluation; 2 optimizer steps a batch; the arm's override and the marks on top.
+  with open(os.path.join(outdir, "runs", "exgrpo-mixed_clip-s0", "config.json")) as f:
     config = json.load(f)
-  assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["shaping_beta"]) == (8, 8, 0.0)
-  assert (config["train"]["num_minibatches"], config["data"]["levels"]) == (2, "add1x2,add2,add3,addsub2,mul2x2")
+  assert (config["data"]["rl_train_size"], config["eval"]["k"], config["loss"]["mixed_clip"]) == (8, 8, True)
+  assert (config["train"]["num_minibatches"], config["data"]["levels"]) == (2, compare.arms.TESTBED_LEVELS)
+  assert config["eval"]["token_marks"] == list(marks)
   visits = outputs.visit_stats(runs["grpo"].questions)
   assert (visits.questions, visits.visits_mean, visits.visits_max) == (8, 2.0, 2)
   # The mechanism figures: every step's composed groups in questions.jsonl, the gradient share in metrics.jsonl.
-  for name in ("grpo", "exgrpo-no_shaping"):
+  for name in ("grpo", "exgrpo-mixed_clip"):
     assert all(row["groups"] == 4 and 0 <= row["signal"] <= 4 for row in runs[name].questions.values())
     steps = [row for step, row in runs[name].rows.items() if step > 0]
     assert all(0 <= row["policy/replayed_grad_share"] <= 1 for row in steps)
@@ -325,22 +414,27 @@ def test_cli_end_to_end_on_smoke_configs(tmp_path):
   assert sorted(runs["grpo"].questions) == [1, 2, 3, 4]
   assert all("eval/pass@8" in row for row in runs["grpo"].rows.values() if "eval/accuracy" in row)
   assert 0 <= float(table["grpo"]["pass_at_k_mean"]) <= 1  # a number, where runs without pass@8 give nan
-  # The control: no rollouts, trained for the grpo run's training time, and started from the same warm start with
-  # the same evaluator: its step-0 evaluation is the grpo run's, metric for metric.
+  # The control: no rollouts, trained for the grpo run's training time to the budget, read at its last evaluation
+  # (where its training time reached that), and started from the same warm start with the same evaluator: its step-0
+  # evaluation is the grpo run's, metric for metric.
   sft = runs["sft"]
   assert sft.kind == "sft" and sft.total_tokens == 0 and not sft.questions
   with open(os.path.join(outdir, "runs", "sft-s0", outputs.SFT_FILE)) as f:
     state = json.load(f)
-  grpo_wall = runs["grpo"].wall[max(runs["grpo"].rows)]
-  assert state["finished"] and state["target_wall_s"] == pytest.approx(grpo_wall, rel=1e-3)
-  assert sft.wall[max(sft.rows)] >= state["target_wall_s"]
+  grpo_wall = runs["grpo"].wall[compare.budget_step(runs["grpo"].tokens, _SMOKE_BUDGET)]
+  assert state["finished"] and state["target_wall_s"] == pytest.approx(grpo_wall, abs=1e-6)
+  assert sft.wall[max(sft.rows)] >= grpo_wall
+  assert (int(read["sft-s0"]["read_step"]), read["sft-s0"]["read_at_budget"]) == (max(sft.rows), "True")
   evals0 = {k: v for k, v in runs["grpo"].rows[0].items() if k.startswith("eval/")}
   assert {k: sft.rows[0][k] for k in evals0} == evals0
   with open(os.path.join(outdir, "results.md")) as f:
     text = f.read()
-  assert "Regime `paper_shaped`" in text and "| exgrpo-no_shaping | exgrpo | `loss.shaping_beta=0.0` |" in text
-  assert "## What each method claims, measured" in text and "pass@8 - grpo" in text
-  assert "## Mechanism" in text and "groups with signal" in text and "share of the gradient norm" in text
+  assert "Regime `replay_testbed`" in text and "Not yet calibrated" in text
+  assert "| exgrpo-mixed_clip | exgrpo | `loss.mixed_clip=True` |" in text
+  assert f"Budget fixed before the runs: {_SMOKE_BUDGET:,} tokens" in text and "Not read at the budget" not in text
+  assert "## Primary endpoint" in text and "## Exploratory: what each method claims, measured" in text
+  assert "pass@8 - grpo" in text and "**" not in text
+  assert "## Exploratory: mechanism" in text and "groups with signal" in text and "share of the gradient norm" in text
   for name in ("accuracy_vs_budget.png", "pass_at_8_vs_budget.png", "accuracy_vs_training_time.png",
                "ratio_stats.png", "runs.csv"):
     assert os.path.exists(os.path.join(outdir, name)), name

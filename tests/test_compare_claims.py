@@ -33,7 +33,8 @@ def test_presets_set_the_regime_pass_at_8_and_the_seeds():
   assert fresh.arms == ("grpo", "exgrpo", "advantage_priority", "bapo", "sft")
   assert set(compare_arms.ABLATIONS) <= set(limited.arms) and "sft" in limited.arms
   with pytest.raises(compare_arms.CompareError,
-                     match="no such preset; known: \\['data_limited', 'fresh', 'paper_shaped', 'smollm2'\\]"):
+                     match="no such preset; known: \\['data_limited', 'fresh', 'paper_shaped', 'replay_testbed', "
+                           "'smollm2'\\]"):
     compare_arms.preset("tiny")
 
 
@@ -91,7 +92,8 @@ def test_arm_mistakes_are_errors_that_name_them():
 
 def test_cli_names_an_unknown_arm_in_one_line(tmp_path):
   for flag, needle in (("--arms=grpo,exgrpo-nope", "no arm 'exgrpo-nope'"),
-                       ("--preset=huge", "--preset='huge': no such preset")):
+                       ("--preset=huge", "--preset='huge': no such preset"),
+                       ("--preset=replay_testbed", "give --budget_tokens=N")):
     out = subprocess.run([sys.executable, "-m", "jaxrlvr.compare", flag, f"--outdir={tmp_path}"], cwd=_REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -173,7 +175,7 @@ def test_claims_stability_pass_at_k_and_the_control_by_hand(tmp_path):
             {"step": 5, "qid": [2], "correct": [1]}]  # q2 solved at step 5: past the budget's step 4
   _write(str(tmp_path / "grpo-s0"), seed=0, tokens=[100] * 6, step_s=2.0, questions=q_grpo,
          evals={0: (0.4, 0.7), 2: (0.6, 0.8), 4: (0.5, 0.9), 6: (0.7, 0.95)})
-  # bapo: 125 tokens a step: budget 400 is reached after step 3.2, so its evals at 0, 250, 375 count, 500 does not.
+  # bapo: 125 tokens a step: budget 400 is reached at step 4 (500 tokens), whose evaluation is its reading.
   q_bapo = [{"step": 1, "qid": [1, 2], "correct": [0, 0]}, {"step": 2, "qid": [1, 2], "correct": [1, 3]}]
   _write(str(tmp_path / "bapo-s0"), seed=0, tokens=[125] * 4, questions=q_bapo,
          evals={0: (0.4, 0.7), 2: (0.7, 0.85), 3: (0.65, 0.8), 4: (0.75, 0.9)})
@@ -189,13 +191,13 @@ def test_claims_stability_pass_at_k_and_the_control_by_hand(tmp_path):
   assert (g["final_accuracy"], g["pass_at_k"], g["steps_at_budget"], g["train_wall_s"]) == (0.5, 0.9, 4, 8.0)
   # Stability up to the budget: grpo 0.4 -> 0.6 -> 0.5, largest drop 0.1; late (tokens > 200): the eval at 400 alone.
   assert g["max_drop"] == pytest.approx(0.1) and np.isnan(g["late_std"])
-  # bapo: 0.4, 0.7, 0.65 up to the budget: drop 0.05; late evals at 250 and 375 tokens: std of (0.7, 0.65).
-  assert b["max_drop"] == pytest.approx(0.05) and b["late_std"] == pytest.approx(np.std([0.7, 0.65], ddof=1))
-  assert (b["final_accuracy"], b["pass_at_k"], b["steps_at_budget"]) == (0.65, 0.8, 3)
+  # bapo: 0.4, 0.7, 0.65, 0.75 up to its reading: drop 0.05; late evals at 250, 375 and 500 tokens.
+  assert b["max_drop"] == pytest.approx(0.05) and b["late_std"] == pytest.approx(np.std([0.7, 0.65, 0.75], ddof=1))
+  assert (b["final_accuracy"], b["pass_at_k"], b["steps_at_budget"], b["read_tokens"]) == (0.75, 0.9, 4, 500)
   # Solved later, up to the budget's step: grpo q1 (step 2) of q1, q2 -> 1/2; bapo both -> 1.
   assert (g["hard_first"], g["hard_solved_share"], b["hard_solved_share"]) == (2, 0.5, 1.0)
   assert b["hard_solved_share_vs_baseline"] == pytest.approx(0.5)
-  assert b["accuracy_vs_baseline"] == pytest.approx(0.15) and b["pass_at_k_vs_baseline"] == pytest.approx(-0.1)
+  assert b["accuracy_vs_baseline"] == pytest.approx(0.25) and b["pass_at_k_vs_baseline"] == pytest.approx(0.0)
   # The control at grpo's 8 s: the eval at 8 s (0.5, pass@8 0.75), not the one at 9 s; no tokens, no visits.
   assert (s["final_accuracy"], s["pass_at_k"], s["steps_at_budget"], s["train_wall_s"]) == (0.5, 0.75, 8, 8.0)
   assert s["accuracy_vs_baseline"] == pytest.approx(0.0) and s["max_drop"] == 0.0
@@ -205,8 +207,8 @@ def test_claims_stability_pass_at_k_and_the_control_by_hand(tmp_path):
   with open(os.path.join(out, "results.md")) as f:
     text = f.read()
   assert text.startswith("# Method comparison at an equal rollout budget: data_limited")
-  # Claims table, bapo row: pass@8 0.800, -0.100; drop 0.050, -0.050; late std; 2 questions; 1.000, +0.500.
-  assert "| bapo | 1 | 0.800 | -0.100 | 0.050 | -0.050 | 0.035 | 2 | 1.000 | 0.500 | 2.00 |" in text
+  # Claims table, bapo row: pass@8 0.900, 0; drop 0.050, -0.050; late std; 2 questions; 1.000, +0.500.
+  assert "| bapo | 1 | 0.900 | 0.000 | 0.050 | -0.050 | 0.050 | 2 | 1.000 | 0.500 | 2.00 |" in text
   # The control: drop 0 (0.4, 0.45, 0.5 up to 8 s) and one late evaluation (in (4, 8] s): no std; no visits.
   assert "| sft | 1 | 0.750 | -0.150 | 0.000 | -0.100 | n/a | n/a | n/a | n/a | n/a |" in text
   with open(os.path.join(out, "runs.csv")) as f:
@@ -260,3 +262,46 @@ def test_run_all_runs_the_control_after_its_grpo_run_for_its_training_time(tmp_p
   assert "--all_questions" not in cmd
   every = compare.make_specs(compare_arms.resolve_arms(["grpo", "sft-all_questions"]), 1, str(tmp_path))[1]
   assert compare.sft_command(every, wall_s=1.0, evals=2, smoke=True, cache_dir="")[-1] == "--all_questions"
+
+
+def test_the_trainer_evaluates_where_its_tokens_reach_each_mark(tmp_path):
+  config = compare_arms.arm_config(compare_arms.resolve_arm("grpo"), seed=0, smoke=True,
+                                   overrides=[f"eval.token_marks={compare_arms.budget_marks(500, marks=2)}"])
+  assert tuple(config.eval.token_marks) == (250, 500)
+  marks = train.TokenMarks(config, str(tmp_path), start_step=0)
+  # Steps of 100, 200, 100, 100, 1000 tokens: totals 100, 300, 400, 500, 1500 -> marks reached at steps 2 and 4.
+  assert [marks.reached(t) for t in (100, 200, 100, 100, 1000)] == [False, True, False, True, False]
+  # Resumed from step 2's checkpoint: 300 tokens so far from metrics.jsonl (the step-3 row after the checkpoint is
+  # logged again), so 250 is behind it and the step that brings 500 evaluates.
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in ({"step": 0}, {"step": 1, "rollout/sampled_tokens": 100},
+                                                 {"step": 2, "rollout/sampled_tokens": 200},
+                                                 {"step": 3, "rollout/sampled_tokens": 999}))
+  resumed = train.TokenMarks(config, str(tmp_path), start_step=2)
+  assert (resumed.tokens, resumed.passed) == (300, 1)
+  assert [resumed.reached(t) for t in (150, 100)] == [False, True]
+  config.eval.token_marks = ()
+  assert not train.TokenMarks(config, str(tmp_path), start_step=2).reached(1e9)  # off: no marks
+
+
+def test_token_marks_mistakes_name_the_key():
+  grpo = compare_arms.resolve_arm("grpo")
+  with pytest.raises(compare_arms.CompareError, match=r"config.eval.token_marks=\(0, 100\): cumulative"):
+    compare_arms.arm_config(grpo, seed=0, overrides=["eval.token_marks=(0, 100)"])
+  with pytest.raises(compare_arms.CompareError, match="eval.token_marks is a tuple; got '100k'"):
+    compare_arms.arm_config(grpo, seed=0, overrides=["eval.token_marks=100k"])
+  assert compare_arms.budget_marks(1001) == (251, 501, 751, 1001)  # rounded up: reaching a mark reaches its share
+
+
+def test_the_replay_testbed_preset():
+  testbed = compare_arms.preset("replay_testbed")
+  assert testbed.exact_budget and testbed.seeds == 10 and testbed.arms == (
+      "grpo", "exgrpo", "exgrpo-mixed_clip", "exgrpo-bucket_accuracy", "exgrpo-no_shaping", "advantage_priority",
+      "bapo", "sft")
+  overrides = testbed.run_overrides(steps=120, batch_size=16)
+  assert "data.rl_train_size=960" in overrides  # 120 steps x 16 questions, two visits each
+  config = compare_arms.arm_config(compare_arms.resolve_arm("exgrpo-mixed_clip"), seed=0, overrides=overrides)
+  assert (config.rollout.batch_size, config.rollout.group_size, config.train.num_minibatches) == (16, 8, 2)
+  assert (config.optim.lr, config.data.eval_size, config.loss.mixed_clip) == (3e-5, 768, True)
+  assert config.data.worked_by_level == "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
+  assert "not yet calibrated" in testbed.doc.lower() and "Not yet calibrated" in compare_arms.__doc__

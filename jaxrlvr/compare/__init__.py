@@ -16,4 +16,5 @@ from jaxrlvr.compare.arms import (ARMS, BASELINE, METHODS, PRESETS, Arm, Compare
                                   arm_config, config_arg, method_config, resolve_arm, resolve_arms)
 from jaxrlvr.compare.runner import (RunSpec, check_workdir, finished_step, make_specs, run_all, run_env, run_one,
                                     sft_command, train_command)
-from jaxrlvr.compare.stats import Summary, accuracy_at, area_under_curve, summarize, write_results
+from jaxrlvr.compare.stats import (Summary, area_under_curve, budget_step, holm, paired_t, reading, summarize,
+                                   write_results)

@@ -23,8 +23,22 @@ beside the greedy accuracy at every evaluation, and default to 5 seeds; they dif
   the RL train set (`data.rl_train_size` = steps x B / 2); 2 optimizer steps per rollout batch
   (`train.num_minibatches=2`), so fresh ratios leave 1 and the mixed phase's clip removal and f(w) act; and
   `train.replayed_grad_share` on, for the mechanism figures of results.md. Its warm start differs from the other
-  regimes' (one per seed, cached).
+  regimes' (one per seed, cached). GRPO can hardly gain here, so this regime cannot show whether replay helps it
+  learn: with worked fractions of exactly 0 or 1 the warm start leaves no choice between worked and bare answers
+  (what RL learns on this task), the two easy sums (40% of the evaluation) start at 100%, and the one level in
+  between can add about 6 points at most (GRPO gained +0.007 in 100 steps). `replay_testbed` is the regime for that.
+- `replay_testbed`: a mix where GRPO learns and most groups are constant at their first visit (below), at a budget
+  fixed before the runs, 10 seeds, the eight arms of the decisive comparison, ExGRPO's eq. 4 among them
+  (`exgrpo-mixed_clip`). Not yet calibrated: the calibration on 3 seeds (GRPO's gain over the run, the constant-group
+  share, each seed's step-0 accuracy on the in-between levels) is pending, and with it the budget, which is given with
+  --budget_tokens until then.
+
+A preset with `exact_budget` reads every arm at a budget known before the runs (--budget_tokens): each run evaluates
+at the first step whose generated tokens reach each of its marks (`eval.token_marks`, compare/runner.py). The others
+fall back, without --budget_tokens, to equal steps and the budget found afterwards (the smallest total), which reads a
+run at its last evaluation at or below it.
 """
+import ast
 import dataclasses
 import importlib
 import os
@@ -56,6 +70,8 @@ ARMS = {arm.name: arm for arm in (
     Arm("exgrpo-no_shaping", "exgrpo", ("loss.shaping_beta=0.0",),
         doc="replayed tokens take the plain loss -A * w instead of -A * f(w), f(w) = w / (w + beta): unclipped in "
         "the mixed phase, like the fresh tokens there (loss.mixed_clip=False)"),
+    Arm("exgrpo-mixed_clip", "exgrpo", ("loss.mixed_clip=True",),
+        doc="the paper's eq. 4: fresh tokens keep the PPO clip in the mixed phase (the released code drops it)"),
     Arm("exgrpo-no_delay", "exgrpo", ("replay.start_solve_rate=0.0",),
         doc="replay from the first step instead of once the batch solve rate passes 0.35"),
     Arm("exgrpo-bucket_accuracy", "exgrpo", ("replay.bucket_scale=accuracy",),
@@ -93,6 +109,17 @@ PAPER_SHAPED_WORKED = "add1x2=1,add2=1,add3=0,addsub2=0,mul2x2=0"
 # embedded preset's GRPO run never passed 0.19 in 40 steps); the paper starts its weak Llama-3.1-8B model's replay
 # at once, and so does this preset (the exgrpo-no_delay arm).
 SMOLLM2_LEVELS = "add2,mul1x2"
+# The replay testbed's task and warm start, from a probe on one seed (the tiny model, B = 16, K = 8, 2 optimizer steps a
+# batch, lr 3e-5, 768 held-out questions): GRPO went 0.527 -> 0.625 in 60 steps, with 56-58% of the groups constant
+# at their first visit. The teacher shows its work on the two easy sums, never on 2-digit products, and on 40% of the
+# questions of the three levels in between, so the warm start leaves RL a choice there (worked or bare). Its step-0
+# accuracy on those levels moved erratically with that fraction (34%, 0%, 74% at 0.2, 0.3, 0.4), which is why the
+# calibration is on several seeds. 768 = 6 levels x 128 held-out questions: one evaluation's standard error <= 0.02.
+TESTBED_LEVELS = "add1x2,add2,add3,addsub2,mul1x2,mul2x2"
+TESTBED_WORKED = "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
+TESTBED_ARMS = ("grpo", "exgrpo", "exgrpo-mixed_clip", "exgrpo-bucket_accuracy", "exgrpo-no_shaping",
+                "advantage_priority", "bapo", SFT_ARM)
+MARKS_PER_BUDGET = 4  # a run evaluates at 1/4, 2/4, 3/4 and all of the budget: every arm's curve at the same points
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +131,7 @@ class Preset:
   overrides: tuple[str, ...] = ("eval.k=8", "eval.temperature=1.0")
   visits_per_question: float = 0.0  # > 0: data.rl_train_size = steps x batch_size / this (see the module doc)
   model: str = ""  # the model preset of every run (the config arg `model=`); empty: the configs' default (tiny)
+  exact_budget: bool = False  # True: needs --budget_tokens, and reads every arm at it (module doc)
 
   def run_overrides(self, *, steps: int, batch_size: int) -> list[str]:
     """The overrides of every run of this preset for a comparison of `steps` steps of `batch_size` questions."""
@@ -111,6 +139,12 @@ class Preset:
     if self.visits_per_question:
       out.append(f"data.rl_train_size={rl_train_size(steps, batch_size, self.visits_per_question)}")
     return out
+
+
+def budget_marks(budget: float, marks: int = MARKS_PER_BUDGET) -> tuple[int, ...]:
+  """The token counts a run of a comparison at `budget` evaluates at (`eval.token_marks`): `marks` equal parts of the
+  budget, the last one the budget itself (rounded up, so that reaching a mark means reaching its share)."""
+  return tuple(int(-(-budget * i // marks)) for i in range(1, marks + 1))
 
 
 def rl_train_size(steps: int, batch_size: int, visits: float) -> int:
@@ -132,6 +166,16 @@ PRESETS = {p.name: p for p in (
            overrides=("eval.k=8", "eval.temperature=1.0", f"data.levels={PAPER_SHAPED_LEVELS}",
                       f"data.worked_by_level={PAPER_SHAPED_WORKED}",
                       "train.num_minibatches=2", "train.replayed_grad_share=True"),
+           visits_per_question=2.0),
+    Preset("replay_testbed", "a mix where GRPO learns and most first-visit groups are constant: six levels, the two "
+           "easy sums fully worked, 2-digit products bare, a worked fraction of 0.4 on add3, addsub2 and mul1x2; "
+           "B = 16, K = 8, 2 optimizer steps a batch, lr 3e-5, 768 held-out questions, about two epochs (data.rl_train_size = "
+           "steps x B / 2); every arm read at a budget fixed before the runs. Not yet calibrated (the calibration on "
+           "3 seeds is pending)", arms=TESTBED_ARMS, seeds=10, exact_budget=True,
+           overrides=("eval.k=8", "eval.temperature=1.0", f"data.levels={TESTBED_LEVELS}",
+                      f"data.worked_by_level={TESTBED_WORKED}", "data.eval_size=768", "rollout.batch_size=16",
+                      "rollout.group_size=8", "train.num_minibatches=2", "optim.lr=3e-5",
+                      "train.replayed_grad_share=True"),
            visits_per_question=2.0),
     Preset("smollm2", "the real pretrained model: RL from SmolLM2-135M-Instruct as it is (the smollm2-135m model "
            "preset) on the two levels it sometimes solves, rollouts and pass@4 at temperature 0.6, ExGRPO without "
@@ -206,7 +250,9 @@ def apply_override(config, override: str) -> None:
   if not sep:
     raise CompareError(f"--override={override!r}: expected key=value")
   try:
-    if isinstance(current, bool):
+    if isinstance(current, tuple):  # e.g. eval.token_marks=(100, 200), as the main job's flag reads it
+      node[leaf] = _literal_tuple(value)
+    elif isinstance(current, bool):
       if value.lower() not in ("true", "false", "1", "0"):
         raise CompareError(f"--override={override!r}: {key} is a bool; got {value!r}")
       node[leaf] = value.lower() in ("true", "1")
@@ -218,6 +264,16 @@ def apply_override(config, override: str) -> None:
     if isinstance(e, CompareError):
       raise
     raise CompareError(f"--override={override!r}: {key} is a {type(current).__name__}; got {value!r}") from None
+
+
+def _literal_tuple(value: str) -> tuple:
+  try:
+    parsed = ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    raise ValueError(value) from None
+  if not isinstance(parsed, (tuple, list)):
+    raise ValueError(value)
+  return tuple(parsed)
 
 
 def arm_config(arm: Arm, *, seed: int, overrides: Sequence[str] = (), smoke: bool = False,

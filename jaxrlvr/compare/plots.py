@@ -100,8 +100,8 @@ def _regime(regime: str) -> str:
 def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = outputs.ACCURACY_KEY,
                        ylabel: str = "held-out accuracy (greedy)", name: str = "Held-out accuracy",
                        regime: str = "") -> str | None:
-  """An evaluation metric (greedy accuracy; or pass@k) against tokens: evaluations joined linearly, the last one
-  held to the budget (as the AUC). None (nothing written) when no run logged `key`."""
+  """An evaluation metric (greedy accuracy; or pass@k) against tokens: evaluations joined linearly, as the AUC reads
+  them (`_budget_curve`). None (nothing written) when no run logged `key`."""
   grid = np.linspace(0, budget, _GRID)
   groups = _by_method(runs)
   if not any(len(r.series(key)[0]) for r in runs):
@@ -126,10 +126,11 @@ def accuracy_vs_budget(runs, budget: float, path: str, *, key: str = outputs.ACC
 
 
 def _budget_curve(run, key: str, grid: np.ndarray) -> np.ndarray:
-  """An evaluation metric of one run on the budget grid: evaluations joined linearly, the last one held to the end
-  of the grid (np.interp's hold, as the AUC does); NaN before the first evaluation when it is not at 0 tokens."""
+  """An evaluation metric of one run on the budget grid, as the AUC reads it: evaluations joined linearly up to the
+  first one past the end of the grid (the budget's own, at most one step past it), the last one held where there is
+  none; NaN before the first evaluation when it is not at 0 tokens."""
   _, x, y = run.series(key)
-  keep = x <= grid[-1]
+  keep = np.arange(len(x)) <= np.searchsorted(x, grid[-1], side="right")
   if not keep.any():
     return np.full_like(grid, np.nan)
   return np.interp(grid, x[keep], y[keep]) if x[keep][0] == 0 else _interp(grid, x[keep], y[keep])

@@ -16,15 +16,19 @@ How the runs get an equal budget. Methods generate different numbers of tokens p
 samples K-1 answers, not K; BAPO re-rolls hard questions; answers get shorter or longer as the policy changes), so
 equal steps are not equal cost. The budget is counted in generated rollout tokens (`rollout/sampled_tokens`, summed
 over steps; evaluation tokens do not count):
-- by default every run trains the same number of steps (`--steps`, or the config's `total_steps`) and the common
-  budget is the smallest total any run reached; every curve is cut there;
-- with `--budget_tokens=N` a run that finishes its steps short of N is resumed with a larger `total_steps` (a change
+- with `--budget_tokens=N` (required by a preset with `exact_budget`, e.g. `replay_testbed`) the budget is known
+  before the runs, and every run gets it as marks: `eval.token_marks` = N/4, N/2, 3N/4 and N (arms.budget_marks),
+  so a run evaluates at the first step whose generated tokens reach each, besides its evaluations every
+  `--eval_every` steps. A run that finishes its steps short of N is resumed with a larger `total_steps` (a change
   resumption allows; it only moves the last evaluation and is exact for the default constant learning rate, not for
-  a cosine schedule, whose length it changes) until it has generated N tokens; the curves are then cut at N.
-Accuracy at the budget is the last held-out evaluation at or below it (evaluations run every `--eval_every` steps, so
-a run may pass the budget a few steps after its last evaluation). The area under the accuracy-vs-budget curve joins
-the evaluations with straight lines, holds the last value up to the budget and is divided by the budget: it is the
-mean accuracy over the budget, in [0, 1].
+  a cosine schedule, whose length it changes) until it has generated N tokens. Every arm is then read at its
+  evaluation at the budget, within one step's tokens of N, and at the same marks along the way;
+- without it every run trains the same number of steps (`--steps`, or the config's `total_steps`) and the common
+  budget is the smallest total any run reached, known only afterwards: a run that did not evaluate at the step that
+  reached it is read at its last evaluation at or below it (results.md names those runs).
+compare/stats.py says how each figure is read at the budget (the AUC: the mean accuracy over [0, budget]). The
+supervised control trains for the time its seed's grpo run took to the budget (with --budget_tokens; else its whole
+run) and evaluates when it gets there.
 """
 import concurrent.futures
 import dataclasses
@@ -139,8 +143,9 @@ def sft_command(spec: RunSpec, *, wall_s: float, evals: int, smoke: bool, cache_
                 model: str = "") -> list[str]:
   flags = _config_flags(spec, smoke=smoke, cache_dir=cache_dir, overrides=overrides, configs_dir=configs_dir,
                         model=model)
-  return [sys.executable, "-m", "jaxrlvr.compare.sft_control", *flags, f"--wall_s={wall_s:.6f}", f"--evals={evals}",
-          *spec.flags]
+  # Rounded up, so that the control's training time reaches the baseline's, where the results read it.
+  return [sys.executable, "-m", "jaxrlvr.compare.sft_control", *flags, f"--wall_s={math.ceil(wall_s * 1e6) / 1e6:.6f}",
+          f"--evals={evals}", *spec.flags]
 
 
 def run_one(spec: RunSpec, *, steps: int, budget_tokens: float | None, launch, max_extensions: int = 20) -> int:
@@ -163,11 +168,14 @@ def run_one(spec: RunSpec, *, steps: int, budget_tokens: float | None, launch, m
   raise RuntimeError(f"{spec.name}: still short of {budget_tokens:.0f} tokens after {max_extensions} extensions")
 
 
-def run_sft(spec: RunSpec, *, baseline_workdir: str, launch_sft) -> float:
-  """The control run: as many training seconds as the baseline run (its `time/step_s` summed over every step it
-  trained). `launch_sft(spec, wall_s)` runs compare/sft_control.py and returns its exit code. Returns the seconds."""
+def run_sft(spec: RunSpec, *, baseline_workdir: str, launch_sft, budget_tokens: float | None = None) -> float:
+  """The control run: as many training seconds as the baseline run took to the budget (its `time/step_s` summed up to
+  the step that reached `budget_tokens`; without a budget, over every step it trained), so that its last evaluation is
+  where the results read it. `launch_sft(spec, wall_s)` runs compare/sft_control.py and returns its exit code.
+  Returns the seconds."""
   baseline = outputs.load_run(baseline_workdir)
-  wall_s = baseline.wall[max(baseline.rows)]
+  at = stats_lib.budget_step(baseline.tokens, budget_tokens) if budget_tokens else None
+  wall_s = baseline.wall[max(baseline.rows) if at is None else at]
   if sft_finished_wall(spec.workdir) >= wall_s - 0.01:  # --wall_s passes it to the millisecond
     return wall_s
   code = launch_sft(spec, wall_s)
@@ -205,7 +213,8 @@ def run_all(specs: Sequence[RunSpec], *, parallel: int, launch, steps: int, budg
       if spec.after and errors.get(spec.after):
         raise RuntimeError(f"{spec.name}: {spec.after} failed, so there is no wall time to match")
       if spec.kind == "sft":
-        run_sft(spec, baseline_workdir=by_name[spec.after].workdir, launch_sft=launch_sft)
+        run_sft(spec, baseline_workdir=by_name[spec.after].workdir, launch_sft=launch_sft,
+                budget_tokens=budget_tokens)
       else:
         run_one(spec, steps=steps, budget_tokens=budget_tokens, launch=launch)
       return None
@@ -276,10 +285,12 @@ def _arm_names(f, chosen_preset) -> list[str]:
   return list(chosen_preset.arms if chosen_preset else arms_lib.METHODS)
 
 
-def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int) -> list[str]:
+def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int, budget: float | None) -> list[str]:
   lines = []
   if chosen_preset is not None:
     lines.append(f"Regime `{chosen_preset.name}`: {chosen_preset.doc}.")
+  lines.append(f"Budget fixed before the runs: {budget:,.0f} tokens (--budget_tokens)." if budget else
+               "Budget found after the runs: the smallest total any run generated (no --budget_tokens).")
   lines.append(f"{'Seed 0' if seeds == 1 else f'Seeds 0-{seeds - 1}'}; every run's overrides: "
                f"{', '.join(f'`{o}`' for o in overrides) or 'none'}.")
   lines += ["", "| arm | method | its overrides | what it changes |", "|---|---|---|---|"]
@@ -308,8 +319,12 @@ def _main(argv) -> int:
   seeds = f.seeds if f["seeds"].present or chosen is None else chosen.seeds
   if seeds < 1:
     raise CompareError(f"--seeds must be >= 1, got {seeds}")
-  if f.budget_tokens is not None and f.budget_tokens <= 0:
-    raise CompareError(f"--budget_tokens must be > 0, got {f.budget_tokens}")
+  budget = f.budget_tokens
+  if budget is not None and budget <= 0:
+    raise CompareError(f"--budget_tokens must be > 0, got {budget}")
+  if budget is None and chosen is not None and chosen.exact_budget:
+    raise CompareError(f"--preset={chosen.name} reads every arm at a budget fixed before the runs: give "
+                       "--budget_tokens=N (generated rollout tokens per run)")
   names = _arm_names(f, chosen)
   arms = arms_lib.resolve_arms(names, f.configs_dir)
   methods = dict.fromkeys(a.method for a in arms)
@@ -317,8 +332,14 @@ def _main(argv) -> int:
   configs = {m: arms_lib.method_config(m, smoke=f.smoke, configs_dir=f.configs_dir, model=model) for m in methods}
   steps = f.steps or max(c.total_steps for c in configs.values())
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
-  batch_size = max(c.rollout.batch_size for c in configs.values())
+  # The batch size every run trains with, the preset's and the command line's overrides applied: it sets how many
+  # questions a preset's visits per question take (data.rl_train_size).
+  given = [*(chosen.overrides if chosen else ()), *f.override]
+  batch_size = max(arms_lib.arm_config(arms_lib.Arm(m, m), seed=0, overrides=given, smoke=f.smoke,
+                                       configs_dir=f.configs_dir, model=model).rollout.batch_size for m in methods)
   overrides = [*(chosen.run_overrides(steps=steps, batch_size=batch_size) if chosen else ()), *f.override]
+  if budget is not None:  # every run evaluates where its tokens reach each mark (arms.budget_marks)
+    overrides.append(f"eval.token_marks={arms_lib.budget_marks(budget)}")
   specs = make_specs(arms, seeds, outdir)
   by_arm = {a.name: a for a in arms}
   for spec in specs:  # every arm's config checked now: a bad key or value stops here, before any run starts
@@ -336,7 +357,7 @@ def _main(argv) -> int:
                                              threads=threads, overrides=overrides, configs_dir=f.configs_dir,
                                              evals=max(1, steps // eval_every), model=model)
     errors = {k: v for k, v in run_all(specs, parallel=f.parallel, launch=launch, steps=steps,
-                                       budget_tokens=f.budget_tokens, launch_sft=launch_sft).items() if v}
+                                       budget_tokens=budget, launch_sft=launch_sft).items() if v}
     for name, error in errors.items():
       print(f"compare: {name} failed: {error}", file=sys.stderr)
   runs = [outputs.load_run(s.workdir, method=s.arm, seed=s.seed) for s in specs
@@ -345,14 +366,14 @@ def _main(argv) -> int:
   missing = [s.name for s in specs if s.name not in {r.name for r in runs}]
   if not runs:
     raise RuntimeError(f"compare: no run in {outdir}/runs has metrics; failed: {sorted(errors)}")
-  summary = stats_lib.summarize(runs, budget_tokens=f.budget_tokens, baseline=baseline, wall_reference=arms_lib.BASELINE)
+  summary = stats_lib.summarize(runs, budget_tokens=budget, baseline=baseline, wall_reference=arms_lib.BASELINE)
   from jaxrlvr.compare import plots  # pylint: disable=g-import-not-at-top  (matplotlib only where figures are drawn)
   title = chosen.name if chosen else ""
   figures = plots.write_all(runs, summary.budget_tokens, outdir, regime=title, baseline=baseline)
   command = "python -m jaxrlvr.compare " + " ".join(a for a in sys.argv[1:])
   stats_lib.write_results(summary, outdir, command=command, wall_s=time.time() - started,
                 plots=[os.path.basename(p) for p in figures], missing=missing, title=title,
-                setup=_setup_lines(chosen, arms, overrides, seeds))
+                setup=_setup_lines(chosen, arms, overrides, seeds, budget))
   with open(os.path.join(outdir, "results.md"), encoding="utf-8") as fh:
     print(fh.read())
   return 1 if errors else 0
@@ -370,7 +391,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("seeds", 3, "Seeds per arm: 0 .. N-1 (default: the preset's, else 3).")
   flags.DEFINE_string("outdir", None, "Runs, logs, results.md, results.csv and the plots go here.")
   flags.DEFINE_bool("smoke", False, "Use the configs' `:smoke` settings (seconds per run; for tests).")
-  flags.DEFINE_float("budget_tokens", None, "Train every run until it has generated this many rollout tokens "
+  flags.DEFINE_float("budget_tokens", None, "Train every run until it has generated this many rollout tokens, "
+                     "evaluating where it reaches it and its quarters, and read every arm there "
                      "(default: equal steps, cut at the smallest total).")
   flags.DEFINE_integer("steps", None, "Steps per run (with --budget_tokens: the first guess). Default: the config's.")
   flags.DEFINE_integer("parallel", 2, "Runs at a time.")
