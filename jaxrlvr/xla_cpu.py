@@ -15,6 +15,7 @@ The client reads PJRT_NPROC once, when JAX creates it (the first `jax.devices()`
 `size_thread_pool` must run before that: tests/conftest.py and `main` call it first (`setup_process`).
 """
 import ctypes
+import glob
 import importlib.util
 import os
 import re
@@ -66,6 +67,30 @@ def runs_on_cpu(environ: MutableMapping[str, str] | None = None) -> bool:
   return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
 
 
+# The device files each accelerator plugin drives: where none of an installed plugin's exist, JAX would only try the
+# plugin, print its failure (libtpu: a screen of "could not determine TPU accelerator type") and fall back to the CPU.
+_PLUGIN_DEVICES = {
+    "libtpu": ("/dev/accel*", "/dev/vfio/[0-9]*"),  # TPU VMs: v4/v5p chips as accel devices, v5e/v6e through vfio
+    "jax_cuda12_plugin": ("/dev/nvidia[0-9]*",), "jax_cuda13_plugin": ("/dev/nvidia[0-9]*",),
+    "jax_rocm60_plugin": ("/dev/kfd",), "jax_rocm7_plugin": ("/dev/kfd",),
+}
+
+
+def skip_absent_accelerators(environ: MutableMapping[str, str] | None = None) -> bool:
+  """Sets JAX_PLATFORMS=cpu where it is unset, accelerator plugins are installed and none of their devices is on
+  this host (libtpu from `pip install -e '.[tpu]'`, for `jaxrlvr.plan --topology`, on a laptop). Returns whether it
+  did. Without it such a run starts libtpu, which prints its failure to find a TPU, and, not known to be on the CPU,
+  goes without `keep_freed_memory`. A JAX_PLATFORMS the user set stays."""
+  environ = os.environ if environ is None else environ
+  if environ.get("JAX_PLATFORMS", "").strip():
+    return False
+  installed = [name for name in _ACCELERATOR_PLUGINS if importlib.util.find_spec(name)]
+  if not installed or any(glob.glob(pattern) for name in installed for pattern in _PLUGIN_DEVICES[name]):
+    return False
+  environ["JAX_PLATFORMS"] = "cpu"
+  return True
+
+
 def keep_freed_memory() -> bool:
   """Makes glibc's malloc keep freed memory for reuse instead of handing it back to the OS. Returns whether it did
   (False where the C library is not glibc).
@@ -90,8 +115,10 @@ def keep_freed_memory() -> bool:
 
 
 def setup_process(environ: MutableMapping[str, str] | None = None) -> None:
-  """What a process needs before JAX starts: the CPU client's thread pool sized, and on the CPU, freed memory kept
-  for the next step (`keep_freed_memory`). The main job, the SFT control and the benchmarks' workers call it first."""
+  """What a process needs before JAX starts: the CPU chosen where accelerator plugins have no device here
+  (`skip_absent_accelerators`), the CPU client's thread pool sized, and on the CPU, freed memory kept for the next
+  step (`keep_freed_memory`). The main job, the SFT control and the benchmarks' workers call it first."""
+  skip_absent_accelerators(environ)
   size_thread_pool(environ)
   if runs_on_cpu(environ):
     keep_freed_memory()

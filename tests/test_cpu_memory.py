@@ -55,3 +55,18 @@ def test_without_jax_platforms_the_cpu_is_where_no_accelerator_plugin_is_install
   assert xla_cpu.runs_on_cpu({})
   monkeypatch.setattr(xla_cpu.importlib.util, "find_spec", lambda name: name == "jax_cuda12_plugin" or None)
   assert not xla_cpu.runs_on_cpu({})
+
+
+def test_installed_plugins_without_their_devices_leave_the_run_on_the_cpu(monkeypatch):
+  # libtpu installed (the tpu extra), no TPU here: the CPU, as JAX would end up with after libtpu's failure.
+  monkeypatch.setattr(xla_cpu.importlib.util, "find_spec", lambda name: name == "libtpu" or None)
+  monkeypatch.setattr(xla_cpu.glob, "glob", lambda pattern: [])
+  environ = {}
+  assert xla_cpu.skip_absent_accelerators(environ) and environ == {"JAX_PLATFORMS": "cpu"}
+  assert xla_cpu.runs_on_cpu(environ)
+  # On a TPU VM (its chips as /dev/accel*), or where the user chose the platforms, nothing changes.
+  monkeypatch.setattr(xla_cpu.glob, "glob", lambda pattern: ["/dev/accel0"] if pattern == "/dev/accel*" else [])
+  environ = {}
+  assert not xla_cpu.skip_absent_accelerators(environ) and environ == {}
+  environ = {"JAX_PLATFORMS": "tpu"}
+  assert not xla_cpu.skip_absent_accelerators(environ) and environ == {"JAX_PLATFORMS": "tpu"}
