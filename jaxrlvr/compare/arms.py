@@ -6,9 +6,9 @@ also an arm of its own name without overrides (that is what `--methods` names). 
 supervised control (compare/sft_control.py), continued supervised training from the same warm start for the wall time of
 the `grpo` run of its seed.
 
-A preset is a regime: the overrides every arm's runs get, the arms it compares by default and how many seeds. Both
-presets measure pass@k (`eval.k=8` samples per held-out question at `eval.temperature=1.0`, the rollout temperature)
-beside the greedy accuracy at every evaluation, and default to 5 seeds; they differ in the questions RL draws from:
+A preset is a regime: the overrides every arm's runs get, the arms it compares by default and how many seeds. The
+tiny model's presets measure pass@k (`eval.k=8` samples per held-out question at `eval.temperature=1.0`, the rollout
+temperature) beside the greedy accuracy at every evaluation; they differ in the questions RL draws from and the task:
 - `fresh`: the whole training set (20,000 question ids for the embedded task): 200 steps x 16 questions draw 3,200
   of them, so a question of the three addition levels never comes back unless a method brings it back (the setting
   of the first comparison). mul1x2 is the exception: its 5,000 ids wrap around its 592 train questions, so its
@@ -30,13 +30,13 @@ beside the greedy accuracy at every evaluation, and default to 5 seeds; they dif
 - `replay_testbed`: a mix where GRPO learns and most groups are constant at their first visit (below), at a budget
   fixed before the runs, 10 seeds, the eight arms of the decisive comparison, ExGRPO's eq. 4 among them
   (`exgrpo-mixed_clip`). Not yet calibrated: the calibration on 3 seeds (GRPO's gain over the run, the constant-group
-  share, each seed's step-0 accuracy on the in-between levels) is pending, and with it the budget, which is given with
-  --budget_tokens until then.
+  share, each seed's step-0 accuracy on the in-between levels) is pending, and so is its budget: until the
+  calibration fixes it, --budget_tokens gives it (required).
 
-A preset with `exact_budget` reads every arm at a budget known before the runs (--budget_tokens): each run evaluates
-at the first step whose generated tokens reach each of its marks (`eval.token_marks`, compare/runner.py). The others
-fall back, without --budget_tokens, to equal steps and the budget found afterwards (the smallest total), which reads a
-run at its last evaluation at or below it.
+With --budget_tokens (required by a preset with `exact_budget`) every run evaluates at the first step whose generated
+tokens reach each of the budget's marks (`eval.token_marks`, compare/runner.py) and is read there. Without it the
+runs train equal steps and the budget is found afterwards (the smallest total): a run that did not evaluate at the
+step that reached it is read at its last evaluation at or below it.
 """
 import ast
 import dataclasses
