@@ -119,16 +119,17 @@ def test_auto_resolves_by_backend_dtype_and_size():
   assert resolve("auto", q_len=42, kv_len=42, dtype=jnp.float32, backend="cpu") == "xla"
   assert resolve("auto", q_len=1, kv_len=limit, dtype=jnp.float32, backend="cpu") == "xla"
   assert resolve("auto", q_len=1, kv_len=9216, dtype=jnp.bfloat16, head_dim=128, backend="gpu") == "xla"
-  assert resolve("auto", q_len=8, kv_len=8, dtype=jnp.bfloat16, head_dim=128, backend="tpu") == "xla"
-  # Above: blockwise on CPU and TPU; on GPU cuDNN in half precision when it takes the head size, else blockwise.
+  assert resolve("auto", q_len=1, kv_len=9216, dtype=jnp.bfloat16, head_dim=128, backend="tpu") == "xla"
+  # Above: blockwise on CPU and on TPU (where T != S: T = S is splash's, tests/test_attention_splash.py); on GPU
+  # cuDNN in half precision when it takes the head size, else blockwise.
   assert resolve("auto", q_len=2, kv_len=limit, dtype=jnp.bfloat16, backend="cpu") == "blockwise"
   assert resolve("auto", q_len=4096, kv_len=4096, dtype=jnp.float32, backend="cpu") == "blockwise"
-  assert resolve("auto", q_len=4096, kv_len=4096, dtype=jnp.bfloat16, head_dim=128, backend="tpu") == "blockwise"
+  assert resolve("auto", q_len=2048, kv_len=4096, dtype=jnp.bfloat16, head_dim=128, backend="tpu") == "blockwise"
   assert resolve("auto", q_len=4096, kv_len=4096, dtype=jnp.bfloat16, head_dim=128, backend="gpu") == "cudnn"
   assert resolve("auto", q_len=4096, kv_len=4096, dtype=jnp.bfloat16, head_dim=132, backend="gpu") == "blockwise"
   assert resolve("auto", q_len=4096, kv_len=4096, dtype=jnp.float32, head_dim=128, backend="gpu") == "blockwise"
   # Explicit choices stand; a wrong name is named.
-  for name in ("xla", "blockwise", "cudnn"):
+  for name in ("xla", "blockwise", "cudnn", "splash"):
     assert resolve(name, q_len=4096, kv_len=4096, dtype=jnp.float32) == name
   with pytest.raises(ValueError, match="attention='flash'"):
     resolve("flash", q_len=1, kv_len=1, dtype=jnp.float32)

@@ -12,12 +12,15 @@ Implementations (`ModelConfig.attention`):
 - "blockwise": online softmax over key blocks in plain XLA, with a hand-written backward pass that recomputes each
   block (FlashAttention-2), so forward and backward memory is linear in T; runs on every backend.
 - "cudnn": cuDNN's fused flash kernel through `jax.nn.dot_product_attention` (NVIDIA GPU, bfloat16/float16).
-- "auto": chosen per call by `resolve` from the backend, dtype and (T, S).
+- "splash": JAX's Pallas splash-attention kernel for TPU (`models/splash.py`), under a shard_map over the batch and
+  head mesh axes; in Pallas' interpreter off TPU (slow: for tests). It takes the calls with T = S and query t at slot
+  t (the update's and the scorer's self-attention, no cache), with a [B, S] key_mask, boolean or segment ids; not a
+  decode step or prefill chunk (T != S) nor a [B, T, S] mask, for which "auto" keeps the rules below.
+- "auto": chosen per call by `resolve` from the platform of the mesh the call runs on, the dtype and (T, S).
 
-No Pallas kernel ships, so "auto" on TPU is "blockwise". JAX's TPU splash kernel does run here in Pallas' interpreter
-(its masks could express these rules for T = S: causal, with per-slot segment ids for the padding), but inside the
-model's jit a pallas_call is not partitioned by XLA: it needs a shard_map over the batch and head mesh axes, and
-neither that nor the kernel's Mosaic lowering can be checked without a TPU.
+`attend` reads the mesh from q's type (inside jit, the AbstractMesh its sharding is on; the model's activations are
+held to the run's mesh), so a program compiled ahead for a TPU topology from a CPU host picks splash, while
+`jax.default_backend()` there says "cpu". Without a mesh, the platform is `jax.default_backend()`.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
+from jaxrlvr.models import splash as splash_lib
+
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 # "auto" uses "xla" while q_len * kv_len is at most this, a flash-style path above. On the 2-core development
 # CPU (`python benchmarks/attention.py`, batch 16, the tiny preset's heads, block 512; docs/benchmarks.md,
@@ -40,23 +45,30 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
 def resolve(implementation: str, *, q_len: int, kv_len: int, dtype: Any, head_dim: int | None = None,
-            backend: str | None = None) -> str:
+            backend: str | None = None, per_query_mask: bool = False) -> str:
   """The implementation that `implementation` means for one call: itself unless it is "auto".
 
-  "auto", on every backend: "xla" when q_len * kv_len <= XLA_MAX_SCORES (the embedded default's T = S = 42, decode
-  steps up to S = 589,824 slots: scores of at most 2.3 MiB a row and head). Above that, on a GPU with a
+  "auto" on TPU: "splash" for a call with q_len = kv_len and a [B, S] key_mask (the update and the scorer; at every
+  length: the kernel pads T to whole 128-slot blocks, and no TPU timing here says plain XLA is faster for short
+  calls). Otherwise, on every backend: "xla" when q_len * kv_len <= XLA_MAX_SCORES (the embedded default's T = S =
+  42, decode steps up to S = 589,824 slots: scores of at most 2.3 MiB a row and head). Above that, on a GPU with a
   bfloat16/float16 compute dtype, "cudnn" when cuDNN accepts the call, its backward pass included ("blockwise"
-  otherwise); everywhere else "blockwise", TPU included (see the module docstring). `backend` defaults to
-  `jax.default_backend()`; the planner passes the backend it plans for, and then cuDNN is assumed to accept
-  half-precision calls whose head_dim is a multiple of 8 up to 128.
+  otherwise); everywhere else "blockwise" (on TPU: decode steps and prefill chunks past the limit).
+
+  `backend` is the platform the call runs on ("tpu", "gpu", "cpu"): `attend` passes its mesh's, the planner the one
+  it plans for; None means `jax.default_backend()`. When it is not this host's, cuDNN is assumed to accept
+  half-precision calls whose head_dim is a multiple of 8 up to 128. `per_query_mask`: the call has a [B, T, S]
+  mask, which splash cannot take.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"models/attention.py: attention={implementation!r} is not one of {IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
+  backend = jax.default_backend() if backend is None else backend
+  if backend == "tpu" and q_len == kv_len and not per_query_mask:
+    return "splash"
   if q_len * kv_len <= XLA_MAX_SCORES:
     return "xla"
-  backend = jax.default_backend() if backend is None else backend
   if backend == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     if backend == jax.default_backend() and head_dim is not None:
       supported = _cudnn_accepts(q_len, kv_len, jnp.dtype(dtype).name, head_dim)
@@ -64,6 +76,21 @@ def resolve(implementation: str, *, q_len: int, kv_len: int, dtype: Any, head_di
       supported = head_dim is None or (head_dim % 8 == 0 and head_dim <= 128)
     return "cudnn" if supported else "blockwise"
   return "blockwise"
+
+
+def mesh_of(x: jax.Array) -> Any:
+  """The mesh `x` is laid out on (inside jit, an AbstractMesh), or None when it has none."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
+
+
+def platform_of(mesh: Any) -> str:
+  """"tpu", "gpu" or "cpu": the platform of `mesh`'s devices (`jax.default_backend()` for None)."""
+  if mesh is None:
+    return jax.default_backend()
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return mesh.abstract_device.platform if mesh.abstract_device is not None else jax.default_backend()
+  return mesh.devices.flat[0].platform
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,27 +112,39 @@ def _cudnn_accepts(q_len: int, kv_len: int, dtype: str, head_dim: int) -> bool:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, query_slots: jax.Array, key_mask: jax.Array, *,
-           implementation: str, block_size: int) -> jax.Array:
+           implementation: str, block_size: int, mesh: Any = None) -> jax.Array:
   """q [B, T, N, H], k/v [B, K, S, H], query_slots [T] int32, key_mask [B, S] bool (or int32 segment ids, see
   `attention_weights_mask`) -> [B, T, N, H] in q's dtype. A [B, T, S] bool `key_mask` is the whole mask, used as
   given: which slots each query sees (the caller allows every query at least one).
 
-  `block_size` is the query and key block of "blockwise" (ignored by the others).
+  `block_size` is the query and key block of "blockwise" and, in whole 128-slot lanes, of "splash"
+  (`splash.blocks`); the others ignore it. `mesh` is the mesh the call runs on (default: q's, `mesh_of`): its
+  platform resolves "auto", and splash runs under a shard_map on it.
   """
   t, s = q.shape[1], k.shape[2]
-  chosen = resolve(implementation, q_len=t, kv_len=s, dtype=q.dtype, head_dim=q.shape[-1])
+  mesh = mesh_of(q) if mesh is None else mesh
+  platform = platform_of(mesh)
+  chosen = resolve(implementation, q_len=t, kv_len=s, dtype=q.dtype, head_dim=q.shape[-1], backend=platform,
+                   per_query_mask=key_mask.ndim == 3)
+  if chosen == "splash":
+    if key_mask.ndim == 3 or t != s:
+      raise ValueError(f"models/attention.py: splash attention takes T = S and a [B, S] key_mask (no cache); this "
+                       f"call has T = {t}, S = {s} and a {key_mask.ndim}-d mask: use attention 'auto'")
+    # Query t sits at slot t here (T = S: no cache, or a prefill filling one from slot 0); splash assumes it.
+    return splash_lib.splash_attention(q, k, v, key_mask, block_size=block_size, mesh=mesh,
+                                       interpret=platform != "tpu")
   if key_mask.ndim == 3:
     if chosen == "blockwise":
       raise ValueError("models/attention.py: blockwise attention takes no per-query mask (packed completions); use "
                        f"attention 'xla' or 'cudnn' for these {t} x {s} scores")
-    return dot_product_attention(q, k, v, key_mask, implementation=chosen)
+    return dot_product_attention(q, k, v, key_mask, implementation=chosen, platform=platform)
   if chosen == "blockwise":
     if packed(key_mask):
       raise ValueError("models/attention.py: blockwise attention takes no segment ids (packed rows); use attention "
                        f"'xla' or 'cudnn' for these {t} x {s} scores")
     return blockwise_attention(q, k, v, jnp.asarray(query_slots, jnp.int32), key_mask.astype(bool), block_size)
   mask = attention_weights_mask(query_slots, key_mask)  # [B, T, S]
-  return dot_product_attention(q, k, v, mask, implementation=chosen)
+  return dot_product_attention(q, k, v, mask, implementation=chosen, platform=platform)
 
 
 def packed(key_mask: jax.Array) -> bool:
@@ -136,9 +175,12 @@ def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.A
   return allowed | (empty & own)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                          implementation: str) -> jax.Array:
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, implementation: str,
+                          platform: str | None = None) -> jax.Array:
   """q [B, T, N, H], k/v [B, K, S, H] (heads before slots), mask [B, T, S] -> [B, T, N, H] (grouped-query attention).
+
+  `platform` is where the call runs (default `jax.default_backend()`; a GPU topology compiled from a CPU host is
+  "gpu"): "cudnn" needs a GPU.
 
   Keys and values come heads-first, the KV cache's layout, so that both contractions below read the cache as stored:
   with [B, S, K, H], XLA:CPU ran the probabilities-times-values contraction as a transposed batched dot that took
@@ -149,9 +191,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   scale = 1.0 / math.sqrt(h)
   if implementation == "cudnn":
     # cuDNN's fused kernel runs on NVIDIA GPUs in half precision only; say so instead of failing inside lowering.
-    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
       raise ValueError(f"models/attention.py: attention='cudnn' needs a GPU backend and a bfloat16/float16 "
-                       f"compute_dtype (backend {jax.default_backend()!r}, dtype {q.dtype}); use attention='auto'")
+                       f"compute_dtype (backend {platform!r}, dtype {q.dtype}); use attention='auto'")
     k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, S, K, H], the layout of jax.nn.dot_product_attention
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
   g = n // kv_heads
