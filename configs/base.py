@@ -29,7 +29,8 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.model.path = ""  # HF directory; empty: random init from the preset (the embedded default warm-starts it).
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "float32"  # bfloat16 on accelerators.
-  c.model.attention = "auto"  # auto | xla | blockwise | cudnn (models/attention.py: auto picks per backend and T x S)
+  # auto | xla | blockwise | cudnn | splash (models/attention.py: auto picks by the mesh's platform, T and S)
+  c.model.attention = "auto"
   c.model.attention_block_size = 512  # query and key block of the blockwise attention (its scores: [block, block])
   c.model.remat = False
 

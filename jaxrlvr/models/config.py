@@ -54,7 +54,7 @@ class ModelConfig:
   compute_dtype: Any = "float32"
   remat: bool = False
   attention: str = "auto"
-  attention_block_size: int = 512  # query and key block of the "blockwise" attention
+  attention_block_size: int = 512  # query and key block of "blockwise"; the largest splash block (a multiple of 128)
   initializer_range: float = 0.02
 
   def __post_init__(self):

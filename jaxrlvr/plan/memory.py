@@ -211,6 +211,10 @@ def attention_bytes(w: Workload, rows: int, q_len: int, kv_len: int, *, backward
     return per * (2 if backward else 1)
   if impl == "cudnn":  # fused: the f32 log-sum-exp per query and head
     return rows * n * q_len * 4
+  if impl == "splash":  # its tiles stay in the TPU core's memory; in HBM: q transposed to heads-first and its
+    # output (backward: also the cotangent and dq before their transposes), in c, and the f32 log-sum-exp
+    q_bytes = rows * n * q_len * m.head_dim * w.compute_bytes
+    return (4 if backward else 2) * q_bytes + rows * n * q_len * 4
   bq, bk = min(m.attention_block_size, q_len), min(m.attention_block_size, kv_len)
   block = rows * n * bq * bk * 4  # one [B, K, G*bq, bk] f32 score block
   if backward:  # s, p, dp, ds of a block and the f32 dk, dv accumulators over all slots

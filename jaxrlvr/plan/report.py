@@ -55,7 +55,8 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   xla: f32 scores and probabilities + compute-dtype probabilities [b, N, T, S] and the [b, T, S] mask (twice in
   the backward); blockwise: s and p of one [b, N, bq, bk] f32 block and the f32 output accumulator forward; s, p,
   dp, ds of a block and the f32 dk, dv accumulators [b, K, S, H] backward (bq = bk = attention_block_size);
-  cudnn: the f32 log-sum-exp [b, N, T].
+  cudnn: the f32 log-sum-exp [b, N, T]; splash (TPU): q and the output heads-first in c (and the cotangent and dq
+  in the backward) and the f32 log-sum-exp [b, N, T], its tiles in the core's memory.
 - Gathered weights (fsdp > 1, or a compute dtype other than the parameters'): one layer's parameters with the
   batch axes dropped, in p (the partitioner all-gathers the parameters, then casts). GPU and TPU (unchecked: no
   accelerator compile has been compared): the running and the prefetched layer in c, one p gather in flight, and
@@ -255,7 +256,8 @@ def _plan() -> None:
     target = topology.parse_topology(f.topology)
     echo = lambda line: print(line, file=sys.stderr, flush=True)
     phases = tuple(p for p in f.phases.split(",") if p)
-    results = topology.compile_on_topology(config, target, parse_mesh(f.mesh) if f.mesh else None, phases, echo)
+    results = topology.compile_on_topology(config, target, parse_mesh(f.mesh) if f.mesh else None, phases, echo,
+                                           min_hbm=f.min_hbm)
     print(topology.format_report(config, target, *results))
     return
   if f.mesh:
@@ -299,6 +301,8 @@ def cli() -> None:
   flags.DEFINE_string("topology", "", "Compile the run's programs for a TPU topology's compile-only devices, e.g. "
                       "v5p:2x2x1, v5p:4x4x4, v5e:2x2 (needs pip install -e '.[tpu]'); --mesh or config.mesh over it.")
   flags.DEFINE_string("phases", "update,score,prefill,decode", "With --topology: the programs to compile.")
+  flags.DEFINE_bool("min_hbm", False, "With --topology: also bisect the least HBM each program compiles in "
+                    "(XLA:TPU's xla_tpu_max_hbm_size_mib; ~8 more compiles a program).")
   flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")
   flags.DEFINE_integer("tokens_per_trajectory", -1, "Mean stored tokens; -1: "
                                                 f"min({memory_lib.TOKENS_PER_TRAJECTORY}, max_new_tokens).")

@@ -131,6 +131,7 @@ class ProgramReport:
   loop_collectives: int  # collective instructions inside a `while` body
   loop_all_gathers: int
   seconds: float  # the lower bound on the call's time
+  min_hbm_bytes: int | None = None  # --min_hbm: the least HBM (xla_tpu_max_hbm_size_mib) it compiles in
 
 
 def analyse(name: str, compiled: Any, compile_s: float, *, planned_bytes: int, flops: float, hbm_bytes: float,
@@ -158,13 +159,15 @@ def analyse(name: str, compiled: Any, compile_s: float, *, planned_bytes: int, f
 
 def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] | None = None,
                         phases: tuple[str, ...] = ("update", "score", "prefill", "decode"),
-                        echo: Any = None) -> tuple[tuple[int, int, int], list[ProgramReport], list[str], dict]:
+                        echo: Any = None, min_hbm: bool = False
+                        ) -> tuple[tuple[int, int, int], list[ProgramReport], list[str], dict]:
   """((data, fsdp, tensor), a ProgramReport a program, notes, the planner's work by program) of `config`'s programs
   compiled for `target`.
 
   A `train.num_microbatches` whose micro-batches do not split over the mesh's batch shards is replaced by
   `proposed_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles (minutes each
-  at 7B on 2 cores).
+  at 7B on 2 cores). `min_hbm`: also the least HBM each program compiles in, by a bisection over XLA:TPU's
+  xla_tpu_max_hbm_size_mib from its argument + output bytes to the chip's HBM (a compile a step, ~8 steps).
   """
   from jaxrlvr.plan import work as work_lib  # pylint: disable=g-import-not-at-top
   from jaxrlvr.plan import xla as plan_xla  # pylint: disable=g-import-not-at-top
@@ -188,11 +191,49 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
       echo(f"compiling {phase} for {target.topology_name} (mesh {','.join(map(str, sizes))})...")
     (compiled, seconds), = plan_xla.compile_programs(config, mesh_obj, phases=(phase,)).values()
     loop_trips = _outer_trips(config, w)[phase]
-    reports.append(analyse(phase, compiled, seconds, planned_bytes=sum(terms[phase].values()),
-                           flops=work[phase].flops, hbm_bytes=work[phase].hbm_bytes, loop_trips=loop_trips,
-                           chip=target.chip))
+    report = analyse(phase, compiled, seconds, planned_bytes=sum(terms[phase].values()),
+                     flops=work[phase].flops, hbm_bytes=work[phase].hbm_bytes, loop_trips=loop_trips,
+                     chip=target.chip)
     del compiled
+    if min_hbm:
+      if echo:
+        echo(f"bisecting {phase}'s least HBM...")
+      floor_mib = report.total_bytes // 2**20 // 4  # assumed too small: a quarter of what it holds by default
+      least = least_hbm_mib(lambda mib: _compiles_within(config, mesh_obj, phase, mib), floor_mib,
+                            int(target.chip.hbm_bytes / target.chip.devices_per_chip) // 2**20)
+      report = dataclasses.replace(report, min_hbm_bytes=None if least is None else least * 2**20)
+    reports.append(report)
   return sizes, reports, notes, work
+
+
+def least_hbm_mib(compiles_within: Any, low_mib: int, high_mib: int) -> int | None:
+  """The least HBM cap (MiB) under which `compiles_within(mib)` still compiles, to 1% of `high_mib` (at least 64
+  MiB), by bisection between `low_mib` (known or assumed too small) and `high_mib`; None when even `high_mib`
+  does not."""
+  tolerance_mib = max(64, high_mib // 100)
+  if not compiles_within(high_mib):
+    return None
+  while high_mib - low_mib > tolerance_mib:
+    middle = (low_mib + high_mib) // 2
+    if compiles_within(middle):
+      high_mib = middle
+    else:
+      low_mib = middle
+  return high_mib
+
+
+def _compiles_within(config: Any, mesh: Any, phase: str, mib: int) -> bool:
+  """Whether `phase` compiles with XLA:TPU's HBM capped at `mib` MiB (it fails with RESOURCE_EXHAUSTED when its
+  buffers cannot be placed in that much)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlvr.plan import xla as plan_xla  # pylint: disable=g-import-not-at-top
+  try:
+    plan_xla.compile_programs(config, mesh, phases=(phase,), compiler_options={"xla_tpu_max_hbm_size_mib": str(mib)})
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" in str(e):
+      return False
+    raise
+  return True
 
 
 def _outer_trips(config: Any, w: memory_lib.Workload) -> dict[str, int]:
@@ -215,7 +256,7 @@ def format_report(config: Any, target: Target, sizes: tuple[int, int, int], repo
            f"{','.join(map(str, sizes))}, {hbm / 1e9:.1f} GB HBM a device; engine "
            f"{config.rollout.get('engine', 'static')}, decode_weights {config.rollout.get('decode_weights')}",
            *(f"  note: {n}" for n in notes),
-           "program   compile s  peak GB  arg+out+temp-alias GB  fits  planner GB  plan/compiler  "
+           "program   compile s  peak GB  arg+out+temp-alias GB  least HBM GB  fits  planner GB  plan/compiler  "
            "loop all-gathers  collective GB  bound ms  bound by"]
   for r in reports:
     used = r.peak_bytes or r.total_bytes
@@ -223,7 +264,9 @@ def format_report(config: Any, target: Target, sizes: tuple[int, int, int], repo
     parts = {"FLOPs": r.flops / (chip.peak_flops / per_device), "HBM": r.hbm_bytes / (chip.hbm_bandwidth / per_device),
              "ICI": r.collective_bytes / (chip.ici_bandwidth / per_device) if chip.ici_bandwidth else 0.0}
     lines.append(f"{r.name:<9} {r.compile_s:>9.0f}  {gb(r.peak_bytes):>7}  {gb(r.total_bytes):>21}  "
-                 f"{'yes' if used <= hbm else 'NO':>4}  {gb(r.planned_bytes):>10}  {r.planned_bytes / r.total_bytes:>13.2f}  "
+                 f"{gb(r.min_hbm_bytes):>12}  "
+                 f"{'yes' if used <= hbm else 'NO':>4}  {gb(r.planned_bytes):>10}  "
+                 f"{r.planned_bytes / r.total_bytes:>13.2f}  "
                  f"{r.loop_all_gathers:>16}  {r.collective_bytes / 1e9:>13.2f}  {r.seconds * 1e3:>8.1f}  "
                  f"{max(parts, key=parts.get)}")
   by_name = {r.name: r for r in reports}

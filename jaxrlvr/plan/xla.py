@@ -89,10 +89,12 @@ def compile_phases(config: Any, mesh: Any, model_config: models.ModelConfig | No
 
 
 def compile_programs(config: Any, mesh: Any, model_config: models.ModelConfig | None = None,
-                     phases: tuple[str, ...] = PHASES, *, backend: str | None = None) -> dict[str, tuple[Any, float]]:
+                     phases: tuple[str, ...] = PHASES, *, backend: str | None = None,
+                     compiler_options: dict | None = None) -> dict[str, tuple[Any, float]]:
   """phase -> (compiled executable, seconds its lowering and compile took) of the trainer's jitted functions for
   `config` on `mesh`: local devices, or a topology's compile-only ones (`plan/topology.py`), whose platform
-  `backend` names for the planner's workload (default: the mesh's)."""
+  `backend` names for the planner's workload (default: the mesh's). `compiler_options` go to every `.compile`
+  (e.g. XLA:TPU's xla_tpu_max_hbm_size_mib)."""
   unknown = set(phases) - set(PHASES)
   if unknown:
     raise ValueError(f"plan/xla.py: unknown phases {sorted(unknown)}; known: {PHASES}")
@@ -115,14 +117,14 @@ def compile_programs(config: Any, mesh: Any, model_config: models.ModelConfig | 
                                                                                                state),
                                      batch_sharding=batch_sharding)
     batch = _update_batch(w, batch_sharding, kl=config.loss.kl_coef > 0)
-    out["update"] = (update.lower(state, batch).compile(), time.perf_counter() - start)
+    out["update"] = (update.lower(state, batch).compile(compiler_options), time.perf_counter() - start)
   if "score" in phases:
     start = time.perf_counter()
     score = step_lib.make_score_fn(graphdef, temperature=config.rollout.temperature or 1.0,
                                    batch_sharding=batch_sharding, max_chunk_rows=w.micro_rows * w.batch_shards)
     batch = _update_batch(w, batch_sharding, kl=False)
     del batch["old_logp"]  # the trainer scores the batch before it has old log-probs
-    out["score"] = (score.lower(params, batch).compile(), time.perf_counter() - start)
+    out["score"] = (score.lower(params, batch).compile(compiler_options), time.perf_counter() - start)
   sampler_phases = [p for p in ("prefill", "decode") if p in phases]
   if sampler_phases:
     start = time.perf_counter()
@@ -133,7 +135,7 @@ def compile_programs(config: Any, mesh: Any, model_config: models.ModelConfig | 
         capacity=w.seq_len, top_k=int(r.top_k), top_p=r.top_p,
         prefill_rows_per_device=int(r.prefill_rows_per_device), prefill_chunk_tokens=int(r.prefill_chunk_tokens),
         decode_chunk_steps=int(r.decode_chunk_steps), decode_copy=bool(w.decode_copy),
-        compute_dtype=w.model.compute_dtype)
+        compute_dtype=w.model.compute_dtype, compiler_options=compiler_options)
     seconds = (time.perf_counter() - start) / len(compiled)  # the two compile together: their mean
     out.update({phase: (c, seconds) for phase, c in compiled.items()})
   return out

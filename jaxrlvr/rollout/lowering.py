@@ -25,7 +25,8 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
                          phases: tuple[str, ...] = ("prefill", "decode"), max_new_tokens: int, prompt_len: int,
                          rows_per_shard: int, prefill_rows_per_shard: int, capacity: int, top_k: int,
                          top_p: float, prefill_rows_per_device: int, prefill_chunk_tokens: int,
-                         decode_chunk_steps: int, decode_copy: bool, compute_dtype: Any) -> dict[str, Any]:
+                         decode_chunk_steps: int, decode_copy: bool, compute_dtype: Any,
+                         compiler_options: dict | None = None) -> dict[str, Any]:
   """phase -> compiled executable of one sampler call on `mesh`: "prefill" and "decode" of the static sampler, or
   with `use_engine` the rollout engine's insert (its prefill, `prefill_rows_per_shard` prompts a shard) and decode chunk
   over `rows_per_shard` slots a shard. `decode_copy` (rollout.decode_weights="replicated") reads the weights in the
@@ -41,7 +42,7 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
                           shards=shards, capacity=capacity, top_k=top_k, top_p=top_p,
                           chunk_steps=decode_chunk_steps, prefill_tokens=prefill_chunk_tokens,
                           decode_copy=decode_copy, compute_dtype=compute_dtype, key=key, replicated=replicated,
-                          by_shard=by_shard)
+                          by_shard=by_shard, compiler_options=compiler_options)
   layout = sampler.decode_weight_layout(params, mesh, "replicated" if decode_copy else "training", compute_dtype)
   spec = sampler._Spec(  # pylint: disable=protected-access  (the sampler's own compiled functions)
       graphdef=graphdef, max_new_tokens=max_new_tokens, top_k=top_k, nucleus=top_p < 1.0,
@@ -54,20 +55,20 @@ def lower_sampler_phases(graphdef: Any, params: Any, mesh: Any, *, use_engine: b
               _abstract((), jnp.float32, replicated))
   inputs = (_abstract((rows, prompt_len), jnp.int32, by_shard), _abstract((rows, prompt_len), jnp.int32, by_shard),
             _abstract((rows,), jnp.bool_, by_shard), _abstract((rows,), jnp.int32, by_shard))
-  compiled_prefill = prefill.lower(params, *inputs, controls).compile()
+  compiled_prefill = prefill.lower(params, *inputs, controls).compile(compiler_options)
   out = {}
   if "prefill" in phases:
     out["prefill"] = compiled_prefill
   if "decode" in phases:
     shapes = jax.eval_shape(prefill, params, *inputs, controls)
     loop_state = jax.tree.map(lambda x, s: _abstract(x.shape, x.dtype, s), shapes, compiled_prefill.output_shardings)
-    out["decode"] = decode.lower(params, loop_state).compile()
+    out["decode"] = decode.lower(params, loop_state).compile(compiler_options)
   return out
 
 
 def _engine_phases(graphdef, params, mesh, *, phases, max_new_tokens, prompt_len, slots, prompts, shards, capacity,
                    top_k, top_p, chunk_steps, prefill_tokens, decode_copy, compute_dtype, key,
-                   replicated, by_shard) -> dict[str, Any]:
+                   replicated, by_shard, compiler_options) -> dict[str, Any]:
   if decode_copy:
     params = jax.eval_shape(lambda p: engine.decode_layout(p, mesh, compute_dtype), params)
   spec = engine.EngineSpec(graphdef=graphdef, max_new_tokens=max_new_tokens, capacity=capacity,
@@ -80,14 +81,15 @@ def _engine_phases(graphdef, params, mesh, *, phases, max_new_tokens, prompt_len
                              top_p=_abstract((), jnp.float32, replicated))
   init = fns.init.lower(params, slots * shards, controls)
   state = jax.tree.map(lambda x, sharding: _abstract(x.shape, x.dtype, sharding), init.out_info,
-                       init.compile().output_shardings)
+                       init.compile(compiler_options).output_shardings)
   out = {}
   if "prefill" in phases:
     entries = (shards, slots)  # source, dest and row keys [shards, slots a shard]
     inputs = (_abstract((prompts * shards, prompt_len), jnp.int32, by_shard),
               _abstract((prompts * shards,), jnp.int32, by_shard),
               *(_abstract(entries, jnp.int32, by_shard) for _ in range(3)))
-    out["prefill"] = fns.insert.lower(params, state, *inputs).compile()
+    out["prefill"] = fns.insert.lower(params, state, *inputs).compile(compiler_options)
   if "decode" in phases:
-    out["decode"] = fns.decode_chunk.lower(params, state, _abstract((), jnp.int32, replicated)).compile()
+    out["decode"] = fns.decode_chunk.lower(params, state, _abstract((), jnp.int32, replicated)).compile(
+        compiler_options)
   return out
