@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import workers
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "numpy", "math-verify")
 
@@ -42,7 +44,8 @@ def run_command(method: str, workdir: str, cache: str, smoke: bool) -> float:
   result = subprocess.run(command, cwd=_REPO, env=env, capture_output=True, text=True, check=False)
   wall = time.perf_counter() - start
   if result.returncode:
-    sys.exit(f"main_command: {method} exited with {result.returncode}:\n{result.stderr[-4000:]}")
+    sys.exit(f"main_command: the {method} command {workers.exit_status(result.returncode)}; the end of its "
+             f"stderr:\n{result.stderr[-4000:]}")
   return wall
 
 

@@ -48,6 +48,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import workers  # pylint: disable=g-import-not-at-top,wrong-import-position  (this directory: benchmarks/workers.py)
 
 SYSTEMS = ("jaxrlvr", "trl")
 _PHASES = ("generation", "reward", "scoring", "update")
@@ -281,28 +282,74 @@ def prepare(flags, workdir: str) -> dict:
 
 
 class Worker:
-  """One system's worker process: send a command, read its one JSON line back."""
+  """One system's worker process: send a command, read its one JSON line back. A worker that dies raises
+  workers.WorkerDied, naming it, its exit status and the likely cause (a TRL worker at the machine's memory limit
+  is killed by the kernel with signal 9). `command` replaces the worker's command line (the tests' seam)."""
 
-  def __init__(self, system: str, spec_path: str, log_path: str):
+  def __init__(self, system: str, spec_path: str, log_path: str, command: list[str] | None = None):
     self.system = system
     self.log = open(log_path, "w", encoding="utf-8")
-    self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--worker={system}",
-                                  f"--spec={spec_path}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=self.log, text=True)
+    command = command or [sys.executable, os.path.abspath(__file__), f"--worker={system}", f"--spec={spec_path}"]
+    self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+    self.steps = 0  # answered
 
   def ask(self, command: str) -> dict:
-    self.proc.stdin.write(command + "\n")
-    self.proc.stdin.flush()
-    line = self.proc.stdout.readline()
+    try:
+      self.proc.stdin.write(command + "\n")
+      self.proc.stdin.flush()
+      line = self.proc.stdout.readline()
+    except BrokenPipeError:  # it died before reading the command
+      line = ""
     if not line:
-      raise SystemExit(f"peer_grpo: the {self.system} worker stopped; its log: {self.log.name}")
+      asked = f"step {self.steps + 1}" if command == "step" else repr(command)
+      raise workers.died(f"{self.system} worker (asked for {asked})", self._exit_code(), self.log.name)
+    self.steps += command == "step"
     return json.loads(line)
 
+  def _exit_code(self) -> int | None:
+    """The exit code of a worker whose output has ended (None if it is still running after a few seconds)."""
+    try:
+      return self.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      return None
+
   def close(self) -> None:
-    with contextlib.suppress(Exception):
-      self.ask("quit")
-    self.proc.wait(timeout=120)
+    if self.proc.poll() is None:
+      with contextlib.suppress(workers.WorkerDied):
+        self.ask("quit")
+    with contextlib.suppress(OSError):  # unsent bytes for a dead worker: BrokenPipeError
+      self.proc.stdin.close()
+    try:
+      self.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+    self.proc.stdout.close()
     self.log.close()
+
+
+def interleave(peers: dict[str, Worker], steps: int, eval_size: int) -> tuple[dict, dict]:
+  """Runs the workers' steps in turn (and their evaluations before and after, with `eval_size`), closing them at
+  the end; returns (each system's step replies, its evaluations)."""
+  results = {s: [] for s in SYSTEMS}
+  evals = {}
+  try:
+    if eval_size:
+      evals = {s: [w.ask("eval")] for s, w in peers.items()}
+    for step in range(steps):
+      for system, worker in peers.items():  # A, B, A, B ...: the machine's drift hits both alike
+        results[system].append(worker.ask("step"))
+        print(f"peer_grpo: step {step + 1} {system}: {results[system][-1]['step_s']:.2f} s", file=sys.stderr)
+    qids = {s: [r["qids"] for r in results[s]] for s in peers}
+    if len({json.dumps(v) for v in qids.values()}) > 1:
+      raise SystemExit(f"peer_grpo: the systems trained on different questions: {qids}")
+    if eval_size:
+      for s, w in peers.items():
+        evals[s].append(w.ask("eval"))
+  finally:
+    for worker in peers.values():
+      worker.close()
+  return results, evals
 
 
 def _interval(p: float, n: int) -> float:
@@ -357,6 +404,7 @@ def report(spec: dict, results: dict, evals: dict) -> list[str]:
   return lines
 
 
+@workers.one_line_on_death("peer_grpo")
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="smollm2-135m", help="model preset: smollm2-135m, or tiny (a smoke size)")
@@ -398,25 +446,8 @@ def main() -> int:
   with open(spec_path, "w", encoding="utf-8") as f:
     json.dump(spec, f)
   systems = [s for s in SYSTEMS if spec["parity"][s] <= flags.parity_tol]
-  workers = {s: Worker(s, spec_path, os.path.join(workdir, f"{s}.log")) for s in systems}
-  results = {s: [] for s in SYSTEMS}
-  evals = {}
-  try:
-    if flags.eval_size:
-      evals = {s: [w.ask("eval")] for s, w in workers.items()}
-    for step in range(flags.steps):
-      for system, worker in workers.items():  # A, B, A, B ...: the machine's drift hits both alike
-        results[system].append(worker.ask("step"))
-        print(f"peer_grpo: step {step + 1} {system}: {results[system][-1]['step_s']:.2f} s", file=sys.stderr)
-    qids = {s: [r["qids"] for r in results[s]] for s in systems}
-    if len({json.dumps(v) for v in qids.values()}) > 1:
-      raise SystemExit(f"peer_grpo: the systems trained on different questions: {qids}")
-    if flags.eval_size:
-      for s, w in workers.items():
-        evals[s].append(w.ask("eval"))
-  finally:
-    for worker in workers.values():
-      worker.close()
+  results, evals = interleave({s: Worker(s, spec_path, os.path.join(workdir, f"{s}.log")) for s in systems},
+                              flags.steps, flags.eval_size)
   print("\n".join(report(spec, results, evals)))
   return 0
 

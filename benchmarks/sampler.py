@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 import sampler_long_tail
+import workers
 from jaxrlvr import parallel, rollout, xla_cpu
 from jaxrlvr.models import ModelConfig, Transformer, get_preset, load_pretrained, save_pretrained
 from jaxrlvr.rollout import scheduler
@@ -161,13 +162,11 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
   mesh = parallel.make_mesh(data=cpu_devices) if cpu_devices > 1 else None
   ours, _ = load_pretrained(path, mesh=mesh)  # replicated over the data axis
   ours_one_device, _ = load_pretrained(path)
-  context = multiprocessing.get_context("spawn")
-  conn, child_conn = context.Pipe()
-  worker = context.Process(target=_hf_worker, args=(child_conn, path, ids, mask, new, check_ids, check_mask))
-  worker.start()
+  conn, worker = workers.start(multiprocessing.get_context("spawn"), _hf_worker,
+                               (path, ids, mask, new, check_ids, check_mask))
   try:
     # Same weights: greedy continuations of a few prompts agree token for token.
-    hf_greedy = conn.recv()
+    hf_greedy = workers.ask(conn, worker, "transformers worker")
     our_greedy = rollout.generate(ours, check, max_new_tokens=8, rng=jax.random.key(0), temperature=0.0,
                                   mesh=mesh).tokens
     agree = bool(np.array_equal(hf_greedy, our_greedy))
@@ -190,8 +189,7 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
       return time.perf_counter() - start
 
     def hf_call(threads: int) -> float:
-      conn.send(threads)
-      return conn.recv()
+      return workers.ask(conn, worker, "transformers worker", threads)
 
     # PyTorch runs with its default thread count and with 1 thread (which wins on a machine shared with other
     # jobs); the faster of the two is reported.
@@ -202,8 +200,7 @@ def bench_checkpoint(name: str, path: str, prompts: list[list[int]], args: argpa
       contenders[f"hf{threads}"] = lambda t=threads: hf_call(t)
     times = _interleaved_times(contenders, args.repeats)
   finally:
-    conn.send(None)
-    worker.join(timeout=60)
+    workers.stop(conn, worker)
   uncached = None if args.skip_uncached else _median_time(lambda: run(False), args.uncached_repeats)
 
   best = {name: min(t) for name, t in times.items()}
@@ -291,6 +288,7 @@ def gpu_section(args: argparse.Namespace) -> None:
   sampler_long_tail.gpu_engine_section(args, peak)
 
 
+@workers.one_line_on_death("sampler")
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workload", choices=("short", "long_tail"), default="short",

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+import workers
 from jaxrlvr import parallel, rollout
 from jaxrlvr.models import ModelConfig, Transformer, load_pretrained, save_pretrained
 from jaxrlvr.rollout import engine, scheduler
@@ -88,19 +89,16 @@ def bench_rows(rows: int, args: argparse.Namespace) -> dict:
     save_pretrained(Transformer(LONG_TAIL_MODEL, rngs=nnx.Rngs(0)), LONG_TAIL_MODEL, path)
     ours, _ = load_pretrained(path, mesh=mesh)
     ours_one, _ = load_pretrained(path)
-    context = multiprocessing.get_context("spawn")
-    conn, child = context.Pipe()
-    worker = context.Process(target=_hf_worker, args=(child, path, prompts, cap))
-    worker.start()
+    conn, worker = workers.start(multiprocessing.get_context("spawn"), _hf_worker, (path, prompts, cap))
     try:
-      assert conn.recv() == "ready"
-      return _contest(prompts, cap, ours, ours_one, mesh, conn, args)
+      assert workers.ask(conn, worker, "transformers worker") == "ready"
+      hf_ask = lambda job: workers.ask(conn, worker, "transformers worker", job)
+      return _contest(prompts, cap, ours, ours_one, mesh, hf_ask, args)
     finally:
-      conn.send(None)
-      worker.join(timeout=60)
+      workers.stop(conn, worker)
 
 
-def _contest(prompts, cap, ours, ours_one, mesh, conn, args) -> dict:
+def _contest(prompts, cap, ours, ours_one, mesh, hf_ask, args) -> dict:
   seeds = iter(range(1, 10**6))
   shares = {"engine": [], "static": []}
   common = dict(max_new_tokens=cap, temperature=1.0, eos_ids=(STOP_ID,), pad_id=PAD_ID)
@@ -131,8 +129,7 @@ def _contest(prompts, cap, ours, ours_one, mesh, conn, args) -> dict:
     return time.perf_counter() - start, int(out.lengths.sum())
 
   def hf_call(mode, threads):
-    conn.send((mode, threads))
-    return conn.recv()
+    return hf_ask((mode, threads))
 
   contenders = {"engine": lambda: engine_call(ours, True)}
   if mesh is not None:
