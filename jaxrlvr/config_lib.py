@@ -187,17 +187,15 @@ _RANGES = (
     ("eval.temperature", _NON_NEGATIVE, "must be >= 0 (0 is greedy)"),
 )
 _REPLAY_RANGES = {
-    "exgrpo": (("replay.start_solve_rate", lambda v: 0 <= v <= 1, "a batch solve rate, in [0, 1] (0: at once)"),
+    "exgrpo": (("replay.start_solve_rate", _NON_NEGATIVE, "a batch solve rate, >= 0 (0: at once; above 1: never)"),
                ("replay.max_tokens", _NON_NEGATIVE, "must be >= 0 (0: no cap)")),
     "bapo": (("replay.c1", _FRACTION_BELOW_1, "the hard questions' accuracy bound must be in [0, 1)"),
              ("replay.c2", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
              ("replay.c3", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
              *((f"replay.{key}", _NON_NEGATIVE, "must be >= 0") for key in (
                  "hard_capacity", "reroll_every", "reroll_max", "window", "policy_delay", "max_tokens"))),
-    "advantage_priority": (
-        *((f"replay.{key}", _NON_NEGATIVE, "must be >= 0") for key in (
-            "capacity", "tau_max", "warmup_steps", "alpha", "priority_eps", "max_tokens")),
-        ("replay.replay_fraction", lambda v: 0 <= v <= 1, "the replayed share of the batch must be in [0, 1]")),
+    "advantage_priority": tuple((f"replay.{key}", _NON_NEGATIVE, "must be >= 0") for key in (
+        "capacity", "tau_max", "warmup_steps", "alpha", "priority_eps", "replay_fraction", "max_tokens")),
 }
 _EXPRL_RANGES = (
     ("exprl.reward", lambda v: v in ("outcome", "process"), "must be 'outcome' or 'process'"),
