@@ -261,16 +261,18 @@ class TfdsSource:
   def __init__(self, name: str, split: str, *, data_dir: str | None, question_field: str, answer_field: str,
                solution_field: str):
     self.name = f"tfds:{name}:{split}"
+    needs = f"data source {self.name!r}: tfds: needs tensorflow-datasets and array-record: pip install -e '.[tfds]'"
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     except ImportError:
-      raise DataError(f"data source {self.name!r}: tfds: needs tensorflow-datasets and array-record: "
-                      "pip install -e '.[tfds]'") from None
+      raise DataError(needs) from None
     self._fields = _field_kwargs(question_field, answer_field, solution_field)
     self._default_source = name
     data_dir = data_dir or os.environ.get("TFDS_DATA_DIR") or None
     try:
       self._rows = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except ImportError as e:  # array_record, imported when a dataset is opened
+      raise DataError(f"{needs} ({e})") from None
     except Exception as e:  # tfds raises several types, some with a list of every dataset it knows.
       # Up to tfds's list of every dataset it knows, when it gives one.
       reason = " ".join(str(e).split("\nAvailable datasets")[0].split())[:400]
