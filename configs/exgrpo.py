@@ -7,6 +7,11 @@ correct answers, a retired set, lowest-entropy answer selection and the mixed-po
 later runs; `python benchmarks/main_command.py` reruns it). Held-out greedy accuracy (400 questions, seed 0) went 39.0% -> 58.3% at step 50 and 56.5% at step 200 (+17.5
 points), while the greedy answers learned to show their work (mean length 7.1 -> 15.3 tokens); the README's results
 have the per-level figures and the 3-seed comparison.
+
+`:smoke` (`--config=configs/exgrpo.py:smoke`: the main command end to end, 4 steps of 4 questions x 4 samples from
+the model at random initialisation, no warm start, so nothing is solved or replayed): 40-51 s on 2 cores shared with
+other jobs from cold caches (JAX's compilation cache and the warm-start cache empty; 42-50 CPU-s), where the 600-step
+warm start it trained before made it 211 s.
 Paper scale (the released run_exgrpo.sh: 128 questions x 8, response 8192, 700 steps, lr 1e-6):
 
     python -m jaxrlvr.main --config=configs/exgrpo.py:model=qwen2.5-math-7b --workdir=DIR \\
