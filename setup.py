@@ -6,7 +6,7 @@ setuptools.setup(
     version="0.1.0",
     description="JAX/Flax research codebase for RLVR with experience replay (ExGRPO, BAPO, ...).",
     packages=setuptools.find_packages(include=["jaxrlvr", "jaxrlvr.*"]),
-    package_data={"jaxrlvr": ["data/assets/*"]},
+    package_data={"jaxrlvr": ["data/assets/*", "plan/gpu_specs/*.txtpb"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10",
@@ -43,6 +43,8 @@ setuptools.setup(
         # libtpu, at the jax version of requirements-lock.txt (pip install -c requirements-lock.txt -e '.[tpu]').
         # With it installed and no TPU, set JAX_PLATFORMS=cpu for CPU runs (jax would try the TPU first).
         "tpu": ["jax[tpu]"],
+        # The same for NVIDIA GPUs (--topology=h100:8): the CUDA plugin and its libraries (cuDNN for the attention).
+        "gpu": ["jax[cuda12]"],
         # The peers benchmarks/peer_grpo.py runs beside jaxrlvr on the same workload (TRL's GRPOTrainer, in PyTorch).
         "peers": ["trl==1.16.0", "torch==2.13.0", "accelerate", "datasets>=3"],
     },

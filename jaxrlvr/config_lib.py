@@ -144,9 +144,23 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     sizes = mesh_shape(c.mesh, num_devices)
     shards = sizes[0] * sizes[1]
     micro_rows = rows // (t.num_minibatches * t.num_microbatches)
+    fewer = splitting_microbatches(c, shards)
     _check(micro_rows % shards == 0, "rollout.batch_size", r.batch_size,
            f"each micro-batch ({micro_rows} rollouts) must be divisible by the batch shards of the mesh "
-           f"(data x fsdp = {sizes[0]} x {sizes[1]} = {shards} of {num_devices} devices)")
+           f"(data x fsdp = {sizes[0]} x {sizes[1]} = {shards} of {num_devices} devices)"
+           + (f"; --config.train.num_microbatches={fewer} splits it" if fewer else ""))
+
+
+def splitting_microbatches(config: ml_collections.ConfigDict, batch_shards: int) -> int | None:
+  """A `train.num_microbatches` whose micro-batches split evenly over `batch_shards`, when the configured one's do
+  not: the largest count below it that does (the fewest rows a device, over as many micro-batches as split
+  evenly); None when the configured count is fine or no count is."""
+  t, r = config.train, config.rollout
+  rows = r.batch_size * r.group_size
+  splits = lambda n: rows % (t.num_minibatches * n) == 0 and (rows // (t.num_minibatches * n)) % batch_shards == 0
+  if splits(t.num_microbatches):
+    return None
+  return next((n for n in range(int(t.num_microbatches) - 1, 0, -1) if splits(n)), None)
 
 
 # (key, test, what the key may be): the keys the checks above leave out, each checked where it is present (a config

@@ -95,10 +95,16 @@ def test_attention_terms_by_implementation():
   assert terms["xla"] - terms["cudnn"] == 2 * (b * n * s * s * 10 + b * s * s) - b * n * s * 4
   # blockwise: s, p, dp, ds of one [b, N, 512, 512] f32 block and the f32 dk, dv [b, 4, S, 128].
   assert terms["blockwise"] - terms["cudnn"] == 4 * b * n * 512 * 512 * 4 + 2 * b * 4 * s * 128 * 4 - b * n * s * 4
-  # auto resolves per backend: cuDNN on a GPU in bf16, the blockwise kernel on a TPU.
+  # splash (TPU): q and the output heads-first in bf16, and in the backward the cotangent and dq too, and the f32
+  # log-sum-exp; its score tiles stay in the core.
+  _with(config, model__attention="splash")
+  splash = plan.plan_memory(config, (1, 8, 1), backend="tpu")["update.activations"]
+  _with(config, model__attention="cudnn")
+  assert splash - plan.plan_memory(config, (1, 8, 1), backend="tpu")["update.activations"] == 4 * b * n * s * 128 * 2
+  # auto resolves per backend: cuDNN on a GPU in bf16, splash on a TPU for the update's T = S.
   _with(config, model__attention="auto")
   assert plan.workload(config, (1, 8, 1), backend="gpu").attention(s, s) == "cudnn"
-  assert plan.workload(config, (1, 8, 1), backend="tpu").attention(s, s) == "blockwise"
+  assert plan.workload(config, (1, 8, 1), backend="tpu").attention(s, s) == "splash"
 
 
 def test_sampler_bounds_mirror_the_sampler():
@@ -274,3 +280,17 @@ def test_cli_prints_the_plan_for_the_7b_config():
       check=False)
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
   assert "jaxrlvr.plan: error: config.rollout.kv_cache_gb=0.1: holds no row" in result.stderr
+
+
+def test_topology_names_and_the_proposed_micro_batches():
+  from jaxrlvr.plan import topology
+  assert topology.parse_topology("v5p:4x4x4") == topology.Target("v5p", "v5p:4x4x4")
+  assert topology.parse_topology("h100:8").platform == "gpu"
+  for bad in ("v5p-8", "v5p:4x4x4x4", "a100:8", "h100:0"):
+    with pytest.raises(config_lib.ConfigError, match="--topology="):
+      topology.parse_topology(bad)
+  # The paper-scale batch: 128 x 8 rollouts, 2 optimizer steps of 16 micro-batches: 32 rollouts a micro-batch,
+  # which 64 batch shards cannot split; 8 micro-batches of 64 can, and 16 of 32 on 8 shards need no change.
+  config = exgrpo.get_config(_7B)
+  assert config_lib.splitting_microbatches(config, 8) is None
+  assert config_lib.splitting_microbatches(config, 64) == 8

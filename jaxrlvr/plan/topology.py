@@ -1,12 +1,16 @@
-"""A run's programs compiled for an accelerator it does not have: compile-only devices of a TPU topology.
+"""A run's programs compiled for an accelerator it does not have: compile-only devices of a TPU slice or GPUs.
 
     python -m jaxrlvr.plan --config=configs/exgrpo.py:model=qwen2.5-math-7b --topology=v5p:2x2x1
+    python -m jaxrlvr.plan --config=configs/exgrpo.py:model=qwen2.5-math-7b --topology=h100:8
 
 JAX compiles for a TPU slice on any host once libtpu is installed (`pip install -e '.[tpu]'`):
 `jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name=...)` returns devices that can be
 compiled for, never run on (MaxText's train_compile.py works the same way). A `Mesh` of them, the trainer's own
 jitted functions lowered on ShapeDtypeStructs with the run's shardings (`plan/xla.py`), and `.compile()` give the
-TPU compiler's per-chip memory and its optimized program. Nothing of the model's size is allocated.
+TPU compiler's per-chip memory and its optimized program. Nothing of the model's size is allocated. NVIDIA GPUs
+work the same way with the CUDA plugin (`pip install -e '.[gpu]'`): `get_topology_desc(platform="cuda",
+target_config=..., topology="1x1x8")` from a GpuTargetConfig of the card (gpu_specs/*.txtpb), with JAX_PLATFORMS=cpu
+so that the plugin does not look for a driver. XLA:GPU gives the memory; its cost_analysis() gives nothing.
 
 For each program (the update, the scoring pass, the configured sampler's prefill and decode) `report_lines` prints
 the compile time, the TPU compiler's memory per chip (its peak and argument + output + temp - alias) against the
@@ -56,14 +60,22 @@ CHIPS = {
     "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, 400e9),
     "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, 1200e9),
     "v6e": Chip("TPU v6e", 32 * 10**9, 918e12, 1638e9, 800e9),
+    # NVIDIA's H100 SXM and H200 datasheets: dense BF16 tensor FLOP/s, HBM3(e), NVLink 4's 900 GB/s a GPU.
+    "h100": Chip("NVIDIA H100 80GB HBM3", 80 * 10**9, 989e12, 3.35e12, 900e9),
+    "h200": Chip("NVIDIA H200 141GB HBM3e", 141 * 10**9, 989e12, 4.8e12, 900e9),
 }
+GPUS = ("h100", "h200")
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """A parsed --topology: the chip and JAX's topology name for it."""
+  """A parsed --topology: the chip and JAX's topology name for it (for GPUs: 'h100:8', the card and its count)."""
   chip_key: str
   topology_name: str
+
+  @property
+  def platform(self) -> str:
+    return "gpu" if self.chip_key in GPUS else "tpu"
 
   @property
   def chip(self) -> Chip:
@@ -71,20 +83,26 @@ class Target:
 
 
 _TPU_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
+_GPU_TOPOLOGY = re.compile(r"^(h100|h200):([1-9]\d*)$")
 
 
 def parse_topology(text: str) -> Target:
-  """'v5p:2x2x1' (JAX's own topology names: a TPU version and its chips' grid) -> Target; one clear error else."""
-  match = _TPU_TOPOLOGY.match(text.strip())
+  """'v5p:2x2x1' (JAX's own topology names: a TPU version and its chips' grid) or 'h100:8' (a GPU and how many,
+  one host's NVLink domain) -> Target; one clear error else."""
+  text = text.strip()
+  match = _TPU_TOPOLOGY.match(text) or _GPU_TOPOLOGY.match(text)
   if not match:
     raise config_lib.ConfigError(
         f"--topology={text!r}: expected a TPU version and its chips' grid as JAX names it, e.g. v5p:2x2x1 "
-        f"(4 chips), v5p:4x4x4 (64), v5e:2x2, v6e:2x4, v4:2x2x1; versions: {sorted(CHIPS)}")
-  return Target(chip_key=match.group(1), topology_name=text.strip())
+        f"(4 chips), v5p:4x4x4 (64), v5e:2x2, v6e:2x4, v4:2x2x1, or a GPU and a count, h100:8, h200:8")
+  return Target(chip_key=match.group(1), topology_name=text)
 
 
 def compile_only_devices(target: Target) -> list:
-  """The topology's compile-only devices (libtpu's), after setting what libtpu needs off a TPU VM."""
+  """The topology's compile-only devices (libtpu's or the CUDA plugin's), after setting what the plugin needs off
+  the machine it compiles for."""
+  if target.platform == "gpu":
+    return _gpu_devices(target)
   if importlib.util.find_spec("libtpu") is None:
     raise config_lib.ConfigError(f"--topology={target.topology_name}: libtpu is not installed; "
                                  f"pip install -e '.[tpu]' (jax[tpu] at the locked jax version)")
@@ -92,6 +110,20 @@ def compile_only_devices(target: Target) -> list:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a second process may hold libtpu (tests, CI)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name).devices)
+
+
+def _gpu_devices(target: Target) -> list:
+  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    raise config_lib.ConfigError(f"--topology={target.topology_name}: the CUDA plugin is not installed; "
+                                 f"pip install -e '.[gpu]' (jax[cuda12] at the locked jax version)")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: the plugin must not look for a driver
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  spec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs", f"{target.chip_key}.txtpb")
+  with open(spec, encoding="utf-8") as f:
+    config = f.read()
+  count = int(target.topology_name.split(":")[1])
+  return list(topologies.get_topology_desc(platform="cuda", target_config=config,
+                                           topology=f"1x1x{count}").devices)
 
 
 def mesh_sizes(config: Any, num_devices: int, mesh: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
@@ -102,18 +134,6 @@ def mesh_sizes(config: Any, num_devices: int, mesh: tuple[int, int, int] | None 
                                    f"topology has {num_devices}")
     return tuple(int(s) for s in mesh)
   return tuple(config_lib.mesh_shape(config.mesh, num_devices))
-
-
-def proposed_microbatches(config: Any, batch_shards: int) -> int | None:
-  """A `train.num_microbatches` whose micro-batches split evenly over `batch_shards`, when the configured one's do
-  not: the largest count below it that does (the fewest rows a device over the most micro-batches that split
-  evenly); None when the configured count is fine or no count is."""
-  t, r = config.train, config.rollout
-  rows = r.batch_size * r.group_size
-  splits = lambda n: rows % (t.num_minibatches * n) == 0 and (rows // (t.num_minibatches * n)) % batch_shards == 0
-  if splits(t.num_microbatches):
-    return None
-  return next((n for n in range(int(t.num_microbatches) - 1, 0, -1) if splits(n)), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +185,7 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
   compiled for `target`.
 
   A `train.num_microbatches` whose micro-batches do not split over the mesh's batch shards is replaced by
-  `proposed_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles (minutes each
+  `config_lib.splitting_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles (minutes each
   at 7B on 2 cores). `min_hbm`: also the least HBM each program compiles in, by a bisection over XLA:TPU's
   xla_tpu_max_hbm_size_mib from its argument + output bytes to the chip's HBM (a compile a step, ~8 steps).
   """
@@ -175,7 +195,7 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
   sizes = mesh_sizes(config, len(devices), mesh)
   notes = []
   shards = sizes[0] * sizes[1]
-  proposal = proposed_microbatches(config, shards)
+  proposal = config_lib.splitting_microbatches(config, shards)
   if proposal is not None:
     notes.append(f"train.num_microbatches {config.train.num_microbatches} -> {proposal}: the configured count's "
                  f"micro-batches do not split over the {shards} batch shards; {proposal} is the largest that does")
@@ -183,9 +203,12 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
     config.train.num_microbatches = proposal
   config_lib.validate(config, num_devices=len(devices))
   mesh_obj = parallel.make_mesh(*sizes, devices=devices)
-  w, wt, terms = memory_lib.phase_terms(config, sizes, backend="tpu")
+  w, wt, terms = memory_lib.phase_terms(config, sizes, backend=target.platform)
   work = work_lib.program_work(config, w, wt, len(devices))
   reports = []
+  if min_hbm and target.platform != "tpu":
+    notes.append("--min_hbm bisects XLA:TPU's HBM cap; XLA:GPU has none: not run")
+    min_hbm = False
   for phase in phases:
     if echo:
       echo(f"compiling {phase} for {target.topology_name} (mesh {','.join(map(str, sizes))})...")
