@@ -323,8 +323,10 @@ def test_checkpoints_that_cannot_be_read_fall_back_then_stop(tmp_path):
 @pytest.mark.usefixtures("smoke_warm_start")
 def test_a_run_whose_loss_stays_nonfinite_stops_naming_the_step_and_metric(tmp_path):
   workdir = str(tmp_path / "run")
-  # A learning rate no float32 survives: the first update makes the parameters huge, every later loss is NaN.
-  result = _run(workdir, "--config.optim.lr=1e38", "--config.optim.max_nonfinite_steps=2")
+  # A learning rate no float32 survives: the first update makes the parameters huge, every later loss is NaN. The
+  # smoke model solves nothing (its advantages are 0), so the entropy bonus gives that first update its gradient.
+  result = _run(workdir, "--config.optim.lr=1e38", "--config.optim.max_nonfinite_steps=2",
+                "--config.loss.entropy_coef=0.01")
   assert result.returncode == 2, result.stderr[-4000:]
   [error] = re.findall(r"jaxrlvr: error: .*", result.stderr)
   assert error.startswith("jaxrlvr: error: step 3: loss/total=nan, optim/grad_norm=nan; 2 steps in a row"), error
