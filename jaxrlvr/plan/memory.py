@@ -46,6 +46,9 @@ STORE_SLACK = 8 / 7  # replay/storage.py compacts a page once its dead tokens ex
 # docstring): [b, S, F] and [b, S, D] arrays in the compute dtype.
 BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
 FORWARD_MLP_ARRAYS, FORWARD_HIDDEN_ARRAYS = 3, 2
+# XLA:TPU keeps one [b, S, F] array fewer in a forward (gate and up; their product goes into the down projection's
+# fusion): the 7B scoring pass on v5p:2x2x1 compiled to 17.45 GB a chip, which 2 give (17.5 GB) and 3 do not (20.4).
+TPU_FORWARD_MLP_ARRAYS = 2
 LOGITS_CHUNK_COPIES = 4  # the scorer's [b, chunk, vocab chunk] f32 logits live at once in the backward (3 forward)
 KEPT_LOGITS_COPIES = 3  # the update's kept [b, T, V] f32 logits and two of their size in its backward (train.keep_logits_mb)
 
@@ -233,7 +236,8 @@ def _logits_chunk_bytes(w: Workload, rows: int, copies: int) -> int:
 def _layer_forward_bytes(w: Workload, rows: int, q_len: int, kv_len: int) -> int:
   """One layer's forward live set at its peak (the MLP) for `rows` x `q_len` tokens, without remat's residuals."""
   m, c = w.model, w.compute_bytes
-  dense = rows * q_len * (FORWARD_MLP_ARRAYS * w.mlp + FORWARD_HIDDEN_ARRAYS * m.hidden_size) * c
+  mlp_arrays = TPU_FORWARD_MLP_ARRAYS if w.backend == "tpu" else FORWARD_MLP_ARRAYS
+  dense = rows * q_len * (mlp_arrays * w.mlp + FORWARD_HIDDEN_ARRAYS * m.hidden_size) * c
   return dense + attention_bytes(w, rows, q_len, kv_len, backward=False)
 
 
@@ -361,9 +365,11 @@ def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int
                           + r * m.vocab_size * 4)
     return {**out, **_prefill_weights(w, wt)}
   activations = _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.seq_len)
-  if w.prefill_rows < r:
-    # Row blocks: a block's cache fills layer by layer while its forward runs (the last layer's forward beside the
-    # other layers' k and v), then is written into the call's cache whole, which copies one k or v of the call's.
+  if w.prefill_rows < r and w.backend == "cpu":
+    # Row blocks on XLA:CPU: a block's cache fills layer by layer while its forward runs (the last layer's forward
+    # beside the other layers' k and v), then is written into the call's cache whole, which copies one k or v of
+    # the call's. XLA:TPU writes each layer's block into the call's cache in place: nothing beyond the forward
+    # (the 7B prefill on v5p:2x2x1 compiled to 41.4 GB a chip; this term would have added 8.2 GB).
     row = w.seq_len * w.kv_heads * m.head_dim * c  # one row's k (or v) of one layer
     block = 2 * w.prefill_rows * row
     activations = max(activations + (m.num_layers - 1) * block, r * row + m.num_layers * block)
