@@ -118,6 +118,18 @@ def third_party_bars_hidden():
     raise
 
 
+def _hide_library_bars() -> None:
+  """The Hugging Face libraries' own progress bars off (transformers' and the hub's downloads and loads, a datasets
+  directory's load): through their environment switches, which they read when imported (a value the environment
+  sets already is kept), and for one imported already, its own switch."""
+  os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+  os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+  if "transformers" in sys.modules:
+    sys.modules["transformers"].utils.logging.disable_progress_bar()
+  if "datasets" in sys.modules:
+    sys.modules["datasets"].disable_progress_bars()
+
+
 def setup(*, verbose: bool = False, log_sharding: bool = False, plain: bool = False) -> None:
   """Quiets the libraries' INFO lines (not with `verbose`), puts log lines above the progress bar and, with `plain`
   (main: unless --verbosity or --verbose asks for absl's format), writes jaxrlvr's own lines to stderr without absl's
@@ -125,6 +137,8 @@ def setup(*, verbose: bool = False, log_sharding: bool = False, plain: bool = Fa
   installs its handler before main) and before training starts; calling it again replaces the earlier settings."""
   _settings["log_sharding"] = log_sharding or verbose
   _settings["plain"] = plain and not verbose
+  if _settings["plain"]:
+    _hide_library_bars()
   root = logging.getLogger()
   for i, handler in enumerate(root.handlers):
     if not isinstance(handler, AboveProgressBar):

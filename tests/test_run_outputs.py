@@ -169,8 +169,11 @@ def test_plain_lines_say_once_and_libraries_keep_their_prefix(monkeypatch, capsy
   handler.setFormatter(logging.Formatter("PREFIX %(message)s"))
   monkeypatch.setattr(root, "handlers", [handler])
   monkeypatch.setattr(root, "level", logging.INFO)
+  hidden = []  # the libraries' switches are process-wide: here only whether plain lines turn them
+  monkeypatch.setattr(logs, "_hide_library_bars", lambda: hidden.append(True))
   try:
     logs.setup(plain=True)
+    assert hidden == [True]
     handler.stream = sys.stderr  # capsys's
     ours = os.path.join(os.path.dirname(logs.__file__), "train.py")
     library = os.path.join(os.path.dirname(logging.__file__), "orbax", "checkpoint_manager.py")
