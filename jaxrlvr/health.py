@@ -112,7 +112,7 @@ class Watch:
     self.last_solved: int | None = None  # the last logged step with a correct rollout
     self.zero_since: int | None = None  # the first logged step of the current run of zero solve rates
     self.active: set[str] = set()  # causes warned about and not yet cleared
-    self.warnings = 0  # warnings so far (health/warnings)
+    self.warnings = 0  # warnings so far
     self.latest: list[tuple[str, str]] = []  # the last `observe`'s warnings
 
   def observe(self, step: int, row: dict) -> list[tuple[str, str]]:
@@ -172,6 +172,7 @@ class Watch:
     return found
 
 
-def metrics(found: list[tuple[str, str]], watch: Watch) -> dict:
-  """The `health/` metrics of a logged row: each cause that warned at this step as 1, and the warnings so far."""
-  return {**{f"health/{cause}": 1.0 for cause, _ in found}, "health/warnings": float(watch.warnings)}
+def metrics(found: list[tuple[str, str]]) -> dict:
+  """The `health/` metrics of a row: how many warnings it raised, and each cause that warned as 1. Counts of this
+  row alone, not of the run so far, so that a resumed run (whose watch starts afresh) logs the rows it would have."""
+  return {"health/warnings": float(len(found)), **{f"health/{cause}": 1.0 for cause, _ in found}}

@@ -479,7 +479,7 @@ def _with_health(watch: health.Watch, config: ml_collections.ConfigDict, step: i
   if found and multihost.is_main() and not config.train.get("stop_on_collapse", False):
     for _, message in found:
       logging.warning("%s", message)
-  return {**row, **health.metrics(found, watch)}
+  return {**row, **health.metrics(found)}
 
 
 def _stop_if_collapsed(watch: health.Watch, config: ml_collections.ConfigDict, step: int,
