@@ -33,6 +33,10 @@ def get_base_config(args) -> ml_collections.ConfigDict:
   c.model.attention = "auto"
   c.model.attention_block_size = 512  # query and key block of the blockwise attention (its scores: [block, block])
   c.model.remat = False
+  # True: the update's and the scorer's passes run the layers as one lax.scan over their stacked weights, so XLA
+  # compiles one layer's program instead of num_layers copies (the 28-layer update's compile for pods); it holds a
+  # stacked compute-dtype copy of the layers' weights and of their gradients. The sampler keeps the unrolled loop.
+  c.model.scan_layers = False
 
   c.tokenizer = ml_collections.ConfigDict()
   c.tokenizer.path = ""  # HF tokenizer directory; empty: the embedded tokenizer (built and cached at first use).

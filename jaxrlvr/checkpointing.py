@@ -46,7 +46,7 @@ RESUMABLE_CHANGES = (*WHERE_ONLY, "total_steps", "log_every", "eval_every", "che
                      "rollout.max_rows_per_device", "rollout.kv_cache_gb", "rollout.prefill_rows_per_device",
                      "rollout.prefill_chunk_tokens", "rollout.engine", "rollout.decode_slots",
                      "rollout.decode_chunk_steps", "rollout.decode_weights",
-                     "model.attention", "model.attention_block_size", "train.share_prompts",
+                     "model.attention", "model.attention_block_size", "model.scan_layers", "train.share_prompts",
                      "train.pack_completions", "train.pack_max_prompts",
                      "train.replayed_grad_share",  # a diagnostic: the update is the same
                      "train.stop_if_unsolvable_steps",  # watches a run from step 0 only: a resumed one ignores it

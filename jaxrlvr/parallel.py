@@ -77,13 +77,14 @@ def create_model(model_config: ModelConfig, mesh: Mesh, *, seed: int = 0, rules:
 
 def model_from_config(config: Any, mesh: Mesh, *, rules: Any = None) -> tuple[Transformer, ModelConfig]:
   """The run's model, sharded on `mesh`: loaded from `config.model.path` when set (an HF directory), else created
-  from the preset `config.model.preset` with seed `config.seed`. dtypes, attention and remat come from config.model.
+  from the preset `config.model.preset` with seed `config.seed`. dtypes, attention, remat and scan_layers come from
+  config.model (scan_layers off when a config from before the option lacks it).
   """
   m = config.model
   if m.path:
     return models.load_pretrained(m.path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, mesh=mesh,
                                   rules=rules, attention=m.attention, attention_block_size=m.attention_block_size,
-                                  remat=m.remat)
+                                  remat=m.remat, scan_layers=m.get("scan_layers", False))
   model_config = models.from_config(config)
   return create_model(model_config, mesh, seed=config.seed, rules=rules), model_config
 

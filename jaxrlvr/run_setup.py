@@ -141,15 +141,17 @@ def shapes(config: ml_collections.ConfigDict, batch_shards: int, num_hosts: int 
 
 # ------------------------------------------------------------------------------------------------ Sampler
 def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
-  """The architecture: from `config.model.path`'s config.json when set, else the preset; dtypes, remat and attention
-  from the config. Reads no weights."""
+  """The architecture: from `config.model.path`'s config.json when set, else the preset; dtypes, remat, scan_layers
+  and attention from the config (scan_layers read with .get: a run's config.json from before the option lacks it).
+  Reads no weights."""
   m = config.model
   if m.path:
     if not os.path.exists(os.path.join(m.path, "config.json")):
       raise FileNotFoundError(f"config.model.path={m.path!r} has no config.json; clear it to use the preset "
                               f"{m.preset!r}")
     return models.config_from_hf(models.read_config(m.path), param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-                                 attention=m.attention, attention_block_size=m.attention_block_size, remat=m.remat)
+                                 attention=m.attention, attention_block_size=m.attention_block_size, remat=m.remat,
+                                 scan_layers=m.get("scan_layers", False))
   return models.from_config(config)
 
 
@@ -209,11 +211,13 @@ def build_policy(config: ml_collections.ConfigDict, mesh, book: rollout.PromptBo
       logging.info("warm start skipped: model.path is set (the warm start is for a preset initialised at random)")
     return models.load_pretrained(config.model.path, dtype=jnp.dtype(config.model.param_dtype),
                                   compute_dtype=config.model.compute_dtype, mesh=mesh, remat=config.model.remat,
+                                  scan_layers=config.model.get("scan_layers", False),
                                   attention=config.model.attention,
                                   attention_block_size=config.model.attention_block_size)
   model_cfg = models.get_preset(config.model.preset)
   model_cfg = dataclasses.replace(model_cfg, param_dtype=config.model.param_dtype,
                                   compute_dtype=config.model.compute_dtype, remat=config.model.remat,
+                                  scan_layers=config.model.get("scan_layers", False),
                                   attention=config.model.attention,
                                   attention_block_size=config.model.attention_block_size)
   tokenizer = book.tokenizer

@@ -36,7 +36,7 @@ from jaxrlvr import step as step_lib
 _VERSION = 2
 
 
-_EXECUTION_FIELDS = ("attention", "attention_block_size", "remat")
+_EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "scan_layers")
 
 
 KEY_SAMPLE = 64  # the pairs whose token ids the cache key hashes: they stand for the task's text format
@@ -75,7 +75,8 @@ def cache_key(model_config, tokenizer, sample, *, num_pairs: int, task: str, ste
   """A hash of everything the warm-started weights depend on; `sample`, the first `KEY_SAMPLE` of the `num_pairs`
   pairs, stands for the task's text format."""
   vocab = sorted(tokenizer.get_vocab().items())
-  # How the model is computed (attention kernel, remat) does not change what it learns: not part of the key.
+  # How the model is computed (attention kernel, remat, scanned layers) does not change what it learns: not part of
+  # the key.
   architecture = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in _EXECUTION_FIELDS}
   sample = [(list(map(int, p)), list(map(int, c))) for p, c in sample[:KEY_SAMPLE]]
   blob = json.dumps({"version": _VERSION, "model": repr(sorted(architecture.items())), "vocab": vocab, "task": task,

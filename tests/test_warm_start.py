@@ -115,7 +115,8 @@ def test_cache_key_ignores_how_the_model_is_computed():
   key = lambda cfg, **kw: warm_start.cache_key(cfg, _Vocab(), pairs, num_pairs=kw.get("num_pairs", 1), task="t",
                                                steps=kw.get("steps", 10), lr=1e-3, batch_size=4, seed=0)
   base = key(config)
-  for same in (dict(attention="blockwise"), dict(attention="xla", attention_block_size=64), dict(remat=True)):
+  for same in (dict(attention="blockwise"), dict(attention="xla", attention_block_size=64), dict(remat=True),
+               dict(scan_layers=True)):
     assert key(dataclasses.replace(config, **same)) == base, same
   assert key(dataclasses.replace(config, hidden_size=config.hidden_size * 2)) != base
   assert key(config, steps=11) != base

@@ -53,6 +53,10 @@ class ModelConfig:
   param_dtype: Any = "float32"
   compute_dtype: Any = "float32"
   remat: bool = False
+  # Apply the layers as one lax.scan over their stacked weights in the passes without a KV cache (the update's and the
+  # scorer's): XLA compiles one layer's program instead of num_layers copies. Costs a stacked compute-dtype copy of the
+  # layers' weights (and of their gradients in the update); the parameters keep one Block per layer.
+  scan_layers: bool = False
   attention: str = "auto"
   attention_block_size: int = 512  # query and key block of "blockwise"; the largest splash block (a multiple of 128)
   initializer_range: float = 0.02
@@ -152,7 +156,7 @@ def get_preset(name: str) -> ModelConfig:
 
 def from_config(config: Any) -> ModelConfig:
   """Builds the ModelConfig named by `config.model` (keys: preset, param_dtype, compute_dtype, attention,
-  attention_block_size, remat).
+  attention_block_size, remat, scan_layers).
 
   `config` is the whole run config (an ml_collections ConfigDict) or its `model` sub-config. When `model.path` is a
   checkpoint directory the architecture comes from its config.json instead (see `models.hf.load_pretrained`).
@@ -160,7 +164,7 @@ def from_config(config: Any) -> ModelConfig:
   model = config.model if hasattr(config, "model") and not isinstance(config.model, str) else config
   base = get_preset(model.preset)
   changes = {}
-  for key in ("param_dtype", "compute_dtype", "attention", "attention_block_size", "remat"):
+  for key in ("param_dtype", "compute_dtype", "attention", "attention_block_size", "remat", "scan_layers"):
     if hasattr(model, key):
       changes[key] = getattr(model, key)
   return base.replace(**changes)

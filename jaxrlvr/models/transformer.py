@@ -244,6 +244,45 @@ def _run_block_remat(block: Block, x, positions, key_mask, cache, cache_index):
   return remat(graphdef, state, x, positions, key_mask, cache, cache_index)
 
 
+def _scan_blocks(blocks, x, positions, key_mask, *, remat: bool, hold) -> jax.Array:
+  """The blocks applied in order as one `jax.lax.scan` over their stacked weights (no cache): x [B, T, D] -> x.
+
+  Why: XLA compiles the loop's body, one layer's program, once, where the unrolled loop gives it L copies to optimise
+  and schedule; MaxText scans its layers for the same reason. The parameters keep their layout (one Block per layer,
+  as checkpoints, HF loading and export, the sharding rules and the optimizer state have them): the stacked arrays
+  are built here, inside the traced function. Each floating leaf is cast to the compute dtype before stacking, as the
+  block casts every weight to it where it uses it, so no number changes and a float32 model's stack is half its size.
+
+  What it costs: the stacked copy of the layers' weights in the compute dtype, [L, ...] per leaf, and in the update
+  the stacked gradient of that copy (the scan's backward writes one layer's slice per iteration) before it is cast
+  back and split into each layer's gradient.
+
+  `hold` is `Transformer._hold_sharding`, kept on the carry as the unrolled loop keeps it between blocks. With
+  `remat` the body goes under `jax.checkpoint`, as `_run_block_remat` does, and the backward recomputes one layer
+  at a time.
+  """
+  dt = x.dtype
+  graphdef = nnx.graphdef(blocks[0])  # every block has the same structure; only their weights differ
+  states = [nnx.state(block) for block in blocks]
+
+  def stack(*leaves):
+    return jnp.stack([leaf.astype(dt) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf for leaf in leaves])
+
+  stacked = jax.tree.map(stack, *states)  # one State whose leaves are [L, ...]
+
+  def body(carry, state):
+    out, _ = _apply_block(graphdef, state, carry, positions, key_mask, None, None)
+    return hold(out), None
+
+  if remat:
+    # prevent_cse=False: the scan already keeps XLA from merging the recomputation back into the forward, so the
+    # optimisation barriers prevent_cse adds are not needed there (jax.checkpoint's documentation). The scan's
+    # residuals are then each layer's input x; the weights' slices are read again from the stacked copy.
+    body = jax.checkpoint(body, prevent_cse=False)
+  x, _ = jax.lax.scan(body, x, stacked)
+  return x
+
+
 class Transformer(nnx.Module):
   """Decoder-only language model. See the module docstring for shapes and `models/__init__.py` for the API."""
 
@@ -319,6 +358,10 @@ class Transformer(nnx.Module):
           positions = jnp.maximum(jnp.cumsum(key_mask.astype(jnp.int32), axis=1) - 1, 0)  # [B, T]
 
     x = self._hold_sharding(jnp.take(self.embed[...], input_ids, axis=0).astype(dt))  # [B, T, D]
+    if c.scan_layers and cache is None:
+      # The update's and the scorer's passes. The sampler keeps the unrolled loop: its cache is one dict per layer.
+      x = _scan_blocks(list(self.layers), x, positions, key_mask, remat=c.remat, hold=self._hold_sharding)
+      return self.final_norm(x), None
     run = _run_block_remat if c.remat else _run_block
     new_cache = [] if cache is not None else None
     for i, block in enumerate(self.layers):
