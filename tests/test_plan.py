@@ -294,3 +294,37 @@ def test_topology_names_and_the_proposed_micro_batches():
   config = exgrpo.get_config(_7B)
   assert config_lib.splitting_microbatches(config, 8) is None
   assert config_lib.splitting_microbatches(config, 64) == 8
+
+
+_HLO = """HloModule m
+
+%body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag.1 = bf16[64,128]{1,0} all-gather(%x), channel_id=1, dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%a, %b)
+}
+
+%cond.1 (p: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%inner (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %w.2 = (s32[], f32[8]) while(%t0), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"28"}}
+  %ar.1 = f32[1024]{0} all-reduce(%g), channel_id=2, to_apply=%add
+  ROOT %t2 = (s32[], f32[8]) tuple(%a, %b)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %ag.0 = f32[256]{0} all-gather(%a), channel_id=3, dimensions={0}
+  %w.1 = (s32[], f32[8]) while(%t), condition=%cond.1, body=%inner
+  ROOT %r = f32[8] get-tuple-element(%w.1), index=1
+}
+"""
+
+
+def test_hlo_collectives_inside_loops_and_their_trip_counts():
+  from jaxrlvr.plan import hlo
+  inside = hlo.collectives(_HLO, in_loops=True)
+  assert sorted((c.op, c.result_bytes) for c in inside) == [("all-gather", 64 * 128 * 2), ("all-reduce", 4096)]
+  assert [(c.op, c.result_bytes) for c in hlo.collectives(_HLO, in_loops=False)] == [("all-gather", 1024)]
+  # The outer loop records no trip count (5 assumed), the inner one 28: its all-gather runs 5 x 28 times a call.
+  assert hlo.collective_bytes(_HLO, unknown_trips=5) == 1024 + 5 * 4096 + 5 * 28 * 64 * 128 * 2

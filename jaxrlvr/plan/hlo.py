@@ -87,6 +87,40 @@ def loop_bodies(comps: dict[str, list[str]]) -> set[str]:
   return reachable(comps, roots)
 
 
+_TRIP_COUNT = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
+
+
+def multiplicities(comps: dict[str, list[str]], unknown_trips: int = 1) -> dict[str, int]:
+  """How many times one call of the program runs each computation: a `while` body (and its condition) as often as
+  the loop's trip count times its caller's, XLA's `known_trip_count` where it gave one (scans, fori loops), else
+  `unknown_trips` (a loop that stops on a value: the decode's, up to max_new_tokens)."""
+  entry = next((name for name, lines in comps.items() if name != "ENTRY" and lines is comps.get("ENTRY")), None)
+  counts: collections.Counter = collections.Counter()
+
+  def visit(name: str, times: int) -> None:
+    counts[name] += times
+    for line in comps.get(name, ()):
+      if " while(" in line:
+        trip = _TRIP_COUNT.search(line)
+        loop_times = times * (int(trip.group(1)) if trip else unknown_trips)
+        for callee in _SINGLE_CALL.findall(line):  # body= and condition=
+          visit(callee, loop_times)
+      else:
+        for callee in _callees([line]):
+          visit(callee, times)
+
+  if entry is not None:
+    visit(entry, 1)
+  return dict(counts)
+
+
+def collective_bytes(text: str, *, unknown_trips: int = 1) -> int:
+  """The bytes one call of the program moves in collectives (results' bytes), each collective counted as often as
+  its computation runs (`multiplicities`)."""
+  times = multiplicities(computations(text), unknown_trips)
+  return sum(c.result_bytes * times.get(c.computation, 0) for c in collectives(text))
+
+
 def _array_bytes(shape_text: str) -> int:
   total = 0
   for dtype, dims in _ARRAY.findall(shape_text):

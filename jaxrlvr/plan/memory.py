@@ -276,6 +276,11 @@ def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -
   return 2 * cast + full + (full if backward else 0)
 
 
+def _stacked_layers(w: Workload, wt: dict[str, int]) -> int:
+  """model.scan_layers: the layers' weights stacked in the compute dtype, split as the parameters are."""
+  return w.model.num_layers * wt["layer"] * w.compute_bytes // w.param_bytes
+
+
 def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
   """The update step's footprint on one device, by term (its sum is the phase's `total`)."""
   m, c, b, s = w.model, w.compute_bytes, w.micro_rows, w.seq_len
@@ -297,6 +302,8 @@ def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
     out["activations"] = (m.num_layers * (BACKWARD_MLP_ARRAYS * mlp + FORWARD_HIDDEN_ARRAYS * hidden)
                           + (BACKWARD_HIDDEN_ARRAYS - FORWARD_HIDDEN_ARRAYS) * hidden + attention)
   out["gathered"] = _gathered(w, wt, layers=m.num_layers, backward=True)
+  if m.scan_layers:  # the layers' weights stacked in the compute dtype for the scan, and their stacked gradient
+    out["stacked"] = 2 * _stacked_layers(w, wt)
   if scoring.logits_kept(b, t, m.vocab_size, config.train.keep_logits_mb):  # decided on the whole vocabulary
     out["logits"] = KEPT_LOGITS_COPIES * b * t * w.vocab * 4  # the columns of one device
   else:
@@ -313,6 +320,7 @@ def score_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
       "batch": local_rows * (2 * s * 4 + 3 * t * 4 + 2) + 2 * local_rows * t * 4,  # inputs, then logp and entropy
       "activations": _layer_forward_bytes(w, b, s, s),
       "gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False),
+      **({"stacked": _stacked_layers(w, wt)} if w.model.scan_layers else {}),
       "logits": _logits_chunk_bytes(w, b, LOGITS_CHUNK_COPIES - 1),
   }
 

@@ -57,6 +57,8 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   dp, ds of a block and the f32 dk, dv accumulators [b, K, S, H] backward (bq = bk = attention_block_size);
   cudnn: the f32 log-sum-exp [b, N, T]; splash (TPU): q and the output heads-first in c (and the cotangent and dq
   in the backward) and the f32 log-sum-exp [b, N, T], its tiles in the core's memory.
+- model.scan_layers: the update holds every layer's weights stacked in c for its scan, and their stacked gradient
+  (2 x L x one layer's shard in c); the scoring pass the stacked weights.
 - Gathered weights (fsdp > 1, or a compute dtype other than the parameters'): one layer's parameters with the
   batch axes dropped, in p (the partitioner all-gathers the parameters, then casts). GPU and TPU (unchecked: no
   accelerator compile has been compared): the running and the prefetched layer in c, one p gather in flight, and

@@ -18,10 +18,10 @@ chip's HBM and against the planner (`plan/memory.py`), and a lower bound on its 
 chip's peak, bytes at its HBM bandwidth, and the collectives the compiled program runs at its interconnect's
 bandwidth. FLOPs and HBM bytes are the planner's arithmetic (the compiler's `cost_analysis()` counts a loop's body
 once, and XLA:TPU writes its matmuls as convolutions with its own loops around them, so its FLOPs are printed
-beside as what they are); the collectives' bytes are read from the optimized program (`plan/hlo.py`), those
-inside a loop multiplied by the loop's trip count (the decode's: max_new_tokens). The update's bound gives an MFU
-bound (model FLOPs, 6 x parameters x tokens plus attention, over the chips' peak for that time), the decode's a
-tokens/s bound.
+beside as what they are); the collectives' bytes are read from the optimized program (`plan/hlo.py`), each
+counted as often as its loop runs (XLA's recorded trip counts; the decode's: max_new_tokens). The update's bound
+gives an MFU bound (model FLOPs, 6 x parameters x tokens plus attention, over the chips' peak for that time), the
+decode's a tokens/s bound.
 
 The TPU-only environment (TPU_SKIP_MDS_QUERY, ALLOW_MULTIPLE_LIBTPU_LOAD) is set here, before libtpu loads, and
 nowhere else: a CPU run with libtpu installed is untouched (tests/test_tpu_compile.py).
@@ -163,8 +163,8 @@ def analyse(name: str, compiled: Any, compile_s: float, *, planned_bytes: int, f
            - stats.alias_size_in_bytes)
   peak = getattr(stats, "peak_memory_in_bytes", None) or None
   text = compiled.as_text()
-  inside, outside = hlo.collectives(text, in_loops=True), hlo.collectives(text, in_loops=False)
-  collective_bytes = (sum(c.result_bytes for c in outside) + loop_trips * sum(c.result_bytes for c in inside))
+  inside = hlo.collectives(text, in_loops=True)
+  collective_bytes = hlo.collective_bytes(text, unknown_trips=loop_trips)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   compiler_flops = float(cost["flops"]) if cost and "flops" in cost else None
@@ -213,7 +213,7 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
     if echo:
       echo(f"compiling {phase} for {target.topology_name} (mesh {','.join(map(str, sizes))})...")
     (compiled, seconds), = plan_xla.compile_programs(config, mesh_obj, phases=(phase,)).values()
-    loop_trips = _outer_trips(config, w)[phase]
+    loop_trips = _unknown_trips(config, w)[phase]
     report = analyse(phase, compiled, seconds, planned_bytes=sum(terms[phase].values()),
                      flops=work[phase].flops, hbm_bytes=work[phase].hbm_bytes, loop_trips=loop_trips,
                      chip=target.chip)
@@ -259,14 +259,14 @@ def _compiles_within(config: Any, mesh: Any, phase: str, mib: int) -> bool:
   return True
 
 
-def _outer_trips(config: Any, w: memory_lib.Workload) -> dict[str, int]:
-  """How often a call runs the body of each program's outer loop: a collective inside any loop of the program is
-  counted that many times (inner loops' extra trips are not: the bound stays a lower one). The micro-batches of
-  the update and the scoring pass; the prefill's row blocks and prompt chunks; the decode's tokens (the engine's
-  decode runs them in chunks of decode_chunk_steps, one program call each: the same total)."""
+def _unknown_trips(config: Any, w: memory_lib.Workload) -> dict[str, int]:
+  """The trip count to assume for a loop whose count XLA did not record (`hlo.multiplicities`): the decode's stops
+  once every row is done, after at most max_new_tokens steps (the engine's decode program is one chunk of
+  decode_chunk_steps); the others' loops over micro-batches, row blocks and prompt chunks are counted ones."""
   micro = config.train.num_minibatches * config.train.num_microbatches
   blocks = -(-w.rollout_rows // w.prefill_rows) * -(-w.prompt_len // w.prefill_tokens)
-  return {"update": micro, "score": micro, "prefill": blocks, "decode": w.completion_len}
+  steps = int(config.rollout.decode_chunk_steps) if w.engine else w.completion_len
+  return {"update": micro, "score": micro, "prefill": blocks, "decode": steps}
 
 
 def format_report(config: Any, target: Target, sizes: tuple[int, int, int], reports: list[ProgramReport],
