@@ -138,8 +138,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _check(size == -1 or size >= 1, f"mesh.{axis}", size, "must be -1 (fill) or a positive size")
   _check_ranges(c)
   if num_devices is not None:  # at run time, with the command line's overrides applied
-    from jaxrlvr.models import attention  # pylint: disable=g-import-not-at-top  (JAX only once the flags are parsed)
-    _one_of(c, "model.attention", attention.IMPLEMENTATIONS)
+    from jaxrlvr import models  # pylint: disable=g-import-not-at-top  (JAX only once the flags are parsed)
+    _one_of(c, "model.attention", models.ATTENTION_IMPLEMENTATIONS)
     _check_checkpoint_dir(c.model.path, "model.path")
     sizes = mesh_shape(c.mesh, num_devices)
     shards = sizes[0] * sizes[1]
