@@ -305,3 +305,17 @@ def test_the_replay_testbed_preset():
   assert (config.optim.lr, config.data.eval_size, config.loss.mixed_clip) == (3e-5, 768, True)
   assert config.data.worked_by_level == "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
   assert "not yet calibrated" in testbed.doc.lower() and "Not yet calibrated" in compare_arms.__doc__
+
+
+def test_a_presets_own_budget_and_steps_apply_at_full_size_only():
+  run_size = compare.runner.run_size
+  own = compare_arms.Preset("x", "a regime", arms=("grpo",), exact_budget=True, budget_tokens=5e4, steps=60)
+  assert run_size(own, budget_tokens=None, steps=None, smoke=False) == (
+      5e4, 60, "the preset's own; --budget_tokens overrides it")
+  assert run_size(own, budget_tokens=1e3, steps=7, smoke=False) == (1e3, 7, "--budget_tokens")
+  assert run_size(own, budget_tokens=450, steps=None, smoke=True) == (450, 0, "--budget_tokens")  # the configs' steps
+  with pytest.raises(compare_arms.CompareError, match="give --budget_tokens=N"):
+    run_size(own, budget_tokens=None, steps=None, smoke=True)  # its budget is for its full-size runs
+  assert run_size(compare_arms.preset("fresh"), budget_tokens=None, steps=None, smoke=False) == (None, 0, "")
+  with pytest.raises(compare_arms.CompareError, match="--budget_tokens must be > 0"):
+    run_size(None, budget_tokens=0.0, steps=None, smoke=False)

@@ -27,6 +27,7 @@ _MODULE_SOURCES = {
     "jaxrlvr.main": ["jaxrlvr/main.py"],
     "jaxrlvr.compare": ["jaxrlvr/compare/runner.py", "jaxrlvr/compare/__main__.py"],
     "jaxrlvr.compare.hf_check": ["jaxrlvr/compare/hf_check.py"],
+    "jaxrlvr.compare.calibrate": ["jaxrlvr/compare/calibrate.py"],
     "jaxrlvr.compare.sft_control": ["jaxrlvr/compare/sft_control.py"],
     "jaxrlvr.plan": ["jaxrlvr/plan/report.py", "jaxrlvr/plan/__main__.py"],
     "jaxrlvr.export": ["jaxrlvr/export.py"],

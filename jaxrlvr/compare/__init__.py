@@ -8,6 +8,8 @@
 - `stats.py`: the paired differences to the baseline with 95% intervals, the mechanism figures, results.md.
 - `plots.py`: the comparison's figures.
 - `sft_control.py`: the supervised control arm (`python -m jaxrlvr.compare.sft_control`).
+- `calibrate.py`: a testbed's calibration figures from a comparison's GRPO runs (the gain, the step-0 accuracy on the
+  in-between levels, the first-visit groups all right or all wrong; `python -m jaxrlvr.compare.calibrate --outdir=DIR`).
 - `hf_check.py`: a finished run's export re-scored by transformers' own `generate`
   (`python -m jaxrlvr.compare.hf_check --workdir=DIR`).
 A run's own files are read through `jaxrlvr.outputs`.

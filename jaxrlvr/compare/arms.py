@@ -29,9 +29,10 @@ temperature) beside the greedy accuracy at every evaluation; they differ in the 
   between can add about 6 points at most (GRPO gained +0.007 in 100 steps). `replay_testbed` is the regime for that.
 - `replay_testbed`: a mix where GRPO learns and most groups are constant at their first visit (below), at a budget
   fixed before the runs, 10 seeds, the eight arms of the decisive comparison, ExGRPO's eq. 4 among them
-  (`exgrpo-mixed_clip`). Not yet calibrated: the calibration on 3 seeds (GRPO's gain over the run, the constant-group
-  share, each seed's step-0 accuracy on the in-between levels) is pending, and so is its budget: until the
-  calibration fixes it, --budget_tokens gives it (required).
+  (`exgrpo-mixed_clip`). Not yet calibrated: no mix tried so far meets every target on 3 seeds (GRPO's gain, each
+  seed's step-0 accuracy on the in-between levels, the constant-group share; docs/results.md, "The replay testbed:
+  calibration", and `python -m jaxrlvr.compare.calibrate`), so it has no budget of its own (`Preset.budget_tokens`)
+  and --budget_tokens gives it (required).
 
 With --budget_tokens (required by a preset with `exact_budget`) every run evaluates at the first step whose generated
 tokens reach each of the budget's marks (`eval.token_marks`, compare/runner.py) and is read there. Without it the
@@ -115,6 +116,12 @@ SMOLLM2_LEVELS = "add2,mul1x2"
 # questions of the three levels in between, so the warm start leaves RL a choice there (worked or bare). Its step-0
 # accuracy on those levels moved erratically with that fraction (34%, 0%, 74% at 0.2, 0.3, 0.4), which is why the
 # calibration is on several seeds. 768 = 6 levels x 128 held-out questions: one evaluation's standard error <= 0.02.
+# Tried on seeds 0 and 1 (docs/results.md, "The replay testbed: calibration"), this mix misses two targets: the warm
+# start leaves addsub2 at 5.5% and 10.9%, under 15%, and at rollout temperature 1.0 55-59% of the first-visit groups
+# (steps 1-7) are constant. Two other mixes at temperature 0.7 (64-75% constant), on seeds 0-2, each missed one:
+# addsub2 at 0.5 gained +0.084 on average but left add3 at 8.6% and 1.6% on seeds 1 and 2 (and addsub2 at 13.3% on
+# seed 2); add3 fully worked, addsub2 0.6 and mul1x2 0.5 kept both in-between levels at 18-40% but gained +0.053 on
+# average (+0.047, +0.029, +0.083).
 TESTBED_LEVELS = "add1x2,add2,add3,addsub2,mul1x2,mul2x2"
 TESTBED_WORKED = "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
 TESTBED_ARMS = ("grpo", "exgrpo", "exgrpo-mixed_clip", "exgrpo-bucket_accuracy", "exgrpo-no_shaping",
@@ -131,7 +138,13 @@ class Preset:
   overrides: tuple[str, ...] = ("eval.k=8", "eval.temperature=1.0")
   visits_per_question: float = 0.0  # > 0: data.rl_train_size = steps x batch_size / this (see the module doc)
   model: str = ""  # the model preset of every run (the config arg `model=`); empty: the configs' default (tiny)
-  exact_budget: bool = False  # True: needs --budget_tokens, and reads every arm at it (module doc)
+  exact_budget: bool = False  # True: reads every arm at a budget fixed before the runs (module doc)
+  # The budget in generated rollout tokens (`budget_tokens`) and the steps (`steps`, the first guess toward it, which
+  # also sets data.rl_train_size) its runs get unless --budget_tokens and --steps say otherwise; 0: none of its own
+  # (an exact_budget preset then needs --budget_tokens). Full size only: with --smoke the configs' steps apply and an
+  # exact_budget preset needs --budget_tokens.
+  budget_tokens: float = 0.0
+  steps: int = 0
 
   def run_overrides(self, *, steps: int, batch_size: int) -> list[str]:
     """The overrides of every run of this preset for a comparison of `steps` steps of `batch_size` questions."""
@@ -169,9 +182,10 @@ PRESETS = {p.name: p for p in (
            visits_per_question=2.0),
     Preset("replay_testbed", "a mix where GRPO learns and most first-visit groups are constant: six levels, the two "
            "easy sums fully worked, 2-digit products bare, a worked fraction of 0.4 on add3, addsub2 and mul1x2; "
-           "B = 16, K = 8, 2 optimizer steps a batch, lr 3e-5, 768 held-out questions, about two epochs (data.rl_train_size = "
-           "steps x B / 2); every arm read at a budget fixed before the runs. Not yet calibrated (the calibration on "
-           "3 seeds is pending)", arms=TESTBED_ARMS, seeds=10, exact_budget=True,
+           "B = 16, K = 8, 2 optimizer steps a batch, lr 3e-5, 768 held-out questions, about two epochs "
+           "(data.rl_train_size = steps x B / 2); every arm read at a budget fixed before the runs. Not yet "
+           "calibrated (no mix tried meets every target on 3 seeds: docs/results.md)", arms=TESTBED_ARMS, seeds=10,
+           exact_budget=True,
            overrides=("eval.k=8", "eval.temperature=1.0", f"data.levels={TESTBED_LEVELS}",
                       f"data.worked_by_level={TESTBED_WORKED}", "data.eval_size=768", "rollout.batch_size=16",
                       "rollout.group_size=8", "train.num_minibatches=2", "optim.lr=3e-5",

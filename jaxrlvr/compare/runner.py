@@ -16,8 +16,9 @@ How the runs get an equal budget. Methods generate different numbers of tokens p
 samples K-1 answers, not K; BAPO re-rolls hard questions; answers get shorter or longer as the policy changes), so
 equal steps are not equal cost. The budget is counted in generated rollout tokens (`rollout/sampled_tokens`, summed
 over steps; evaluation tokens do not count):
-- with `--budget_tokens=N` (required by a preset with `exact_budget`, e.g. `replay_testbed`) the budget is known
-  before the runs, and every run gets it as marks: `eval.token_marks` = N/4, N/2, 3N/4 and N (arms.budget_marks),
+- with `--budget_tokens=N`, or a preset's own budget (`Preset.budget_tokens`; a preset with `exact_budget` and no
+  budget of its own, e.g. `replay_testbed` until it is calibrated, requires the flag), the budget is known before the
+  runs, and every run gets it as marks: `eval.token_marks` = N/4, N/2, 3N/4 and N (arms.budget_marks),
   so a run evaluates at the first step whose generated tokens reach each, besides its evaluations every
   `--eval_every` steps. A run that finishes its steps short of N is resumed with a larger `total_steps` (a change
   resumption allows; it only moves the last evaluation and is exact for the default constant learning rate, not for
@@ -285,11 +286,12 @@ def _arm_names(f, chosen_preset) -> list[str]:
   return list(chosen_preset.arms if chosen_preset else arms_lib.METHODS)
 
 
-def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int, budget: float | None) -> list[str]:
+def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int, budget: float | None,
+                 budget_source: str = "--budget_tokens") -> list[str]:
   lines = []
   if chosen_preset is not None:
     lines.append(f"Regime `{chosen_preset.name}`: {chosen_preset.doc}.")
-  lines.append(f"Budget fixed before the runs: {budget:,.0f} tokens (--budget_tokens)." if budget else
+  lines.append(f"Budget fixed before the runs: {budget:,.0f} tokens ({budget_source})." if budget else
                "Budget found after the runs: the smallest total any run generated (no --budget_tokens).")
   lines.append(f"{'Seed 0' if seeds == 1 else f'Seeds 0-{seeds - 1}'}; every run's overrides: "
                f"{', '.join(f'`{o}`' for o in overrides) or 'none'}.")
@@ -297,6 +299,21 @@ def _setup_lines(chosen_preset, arms, overrides: Sequence[str], seeds: int, budg
   lines += [f"| {a.name} | {a.method} | {', '.join(f'`{o}`' for o in a.overrides) or '-'} | "
             f"{a.doc or 'the method as its config has it'} |" for a in arms]
   return lines
+
+
+def run_size(chosen, *, budget_tokens: float | None, steps: int | None, smoke: bool) -> tuple[float | None, int, str]:
+  """(the budget in tokens or None, the steps or 0 for the configs', where the budget comes from): --budget_tokens
+  and --steps, else the preset's own (arms.Preset), which are for its full-size runs and do not apply with --smoke."""
+  if budget_tokens is not None and budget_tokens <= 0:
+    raise CompareError(f"--budget_tokens must be > 0, got {budget_tokens}")
+  own = chosen if chosen is not None and not smoke else None
+  source = "--budget_tokens" if budget_tokens is not None else ""
+  if budget_tokens is None and own is not None and own.budget_tokens:
+    budget_tokens, source = float(own.budget_tokens), "the preset's own; --budget_tokens overrides it"
+  if budget_tokens is None and chosen is not None and chosen.exact_budget:
+    raise CompareError(f"--preset={chosen.name} reads every arm at a budget fixed before the runs: give "
+                       "--budget_tokens=N (generated rollout tokens per run)")
+  return budget_tokens, steps or (own.steps if own is not None else 0), source
 
 
 def main(argv) -> int:
@@ -319,18 +336,13 @@ def _main(argv) -> int:
   seeds = f.seeds if f["seeds"].present or chosen is None else chosen.seeds
   if seeds < 1:
     raise CompareError(f"--seeds must be >= 1, got {seeds}")
-  budget = f.budget_tokens
-  if budget is not None and budget <= 0:
-    raise CompareError(f"--budget_tokens must be > 0, got {budget}")
-  if budget is None and chosen is not None and chosen.exact_budget:
-    raise CompareError(f"--preset={chosen.name} reads every arm at a budget fixed before the runs: give "
-                       "--budget_tokens=N (generated rollout tokens per run)")
+  budget, preset_steps, budget_source = run_size(chosen, budget_tokens=f.budget_tokens, steps=f.steps, smoke=f.smoke)
   names = _arm_names(f, chosen)
   arms = arms_lib.resolve_arms(names, f.configs_dir)
   methods = dict.fromkeys(a.method for a in arms)
   model = f.model or (chosen.model if chosen else "")
   configs = {m: arms_lib.method_config(m, smoke=f.smoke, configs_dir=f.configs_dir, model=model) for m in methods}
-  steps = f.steps or max(c.total_steps for c in configs.values())
+  steps = preset_steps or max(c.total_steps for c in configs.values())
   eval_every = f.eval_every or min(min(c.eval_every for c in configs.values()), max(1, steps // 8))
   # The batch size every run trains with, the preset's and the command line's overrides applied: it sets how many
   # questions a preset's visits per question take (data.rl_train_size).
@@ -373,7 +385,7 @@ def _main(argv) -> int:
   command = "python -m jaxrlvr.compare " + " ".join(a for a in sys.argv[1:])
   stats_lib.write_results(summary, outdir, command=command, wall_s=time.time() - started,
                 plots=[os.path.basename(p) for p in figures], missing=missing, title=title,
-                setup=_setup_lines(chosen, arms, overrides, seeds, budget))
+                setup=_setup_lines(chosen, arms, overrides, seeds, budget, budget_source))
   with open(os.path.join(outdir, "results.md"), encoding="utf-8") as fh:
     print(fh.read())
   return 1 if errors else 0
@@ -393,8 +405,10 @@ def _define_flags() -> None:
   flags.DEFINE_bool("smoke", False, "Use the configs' `:smoke` settings (seconds per run; for tests).")
   flags.DEFINE_float("budget_tokens", None, "Train every run until it has generated this many rollout tokens, "
                      "evaluating where it reaches it and its quarters, and read every arm there "
-                     "(default: equal steps, cut at the smallest total).")
-  flags.DEFINE_integer("steps", None, "Steps per run (with --budget_tokens: the first guess). Default: the config's.")
+                     "(default: the preset's own, where it has one and not --smoke; else equal steps, cut at the "
+                     "smallest total).")
+  flags.DEFINE_integer("steps", None, "Steps per run (with a budget: the first guess). Default: the preset's own, "
+                       "where it has one and not --smoke; else the config's.")
   flags.DEFINE_integer("parallel", 2, "Runs at a time.")
   flags.DEFINE_integer("eval_every", None, "Evaluation interval in steps. Default: the config's, at most steps / 8.")
   flags.DEFINE_integer("threads_per_run", None, "CPU threads per run. Default: cores / parallel.")
