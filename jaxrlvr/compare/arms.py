@@ -116,7 +116,7 @@ SMOLLM2_LEVELS = "add2,mul1x2"
 # questions of the three levels in between, so the warm start leaves RL a choice there (worked or bare). Its step-0
 # accuracy on those levels moved erratically with that fraction (34%, 0%, 74% at 0.2, 0.3, 0.4), which is why the
 # calibration is on several seeds. 768 = 6 levels x 128 held-out questions: one evaluation's standard error <= 0.02.
-# Tried on seeds 0 and 1 (docs/results.md, "The replay testbed: calibration"), this mix misses two targets: the warm
+# Tried on seeds 0 and 1 (docs/testbed.md, the replay testbed's calibration), this mix misses two targets: the warm
 # start leaves addsub2 at 5.5% and 10.9%, under 15%, and at rollout temperature 1.0 55-59% of the first-visit groups
 # (steps 1-7) are constant. Two other mixes at temperature 0.7 (64-75% constant), on seeds 0-2, each missed one:
 # addsub2 at 0.5 gained +0.084 on average but left add3 at 8.6% and 1.6% on seeds 1 and 2 (and addsub2 at 13.3% on

@@ -24,9 +24,9 @@ import sys
 
 import numpy as np
 
+from jaxrlvr import data as data_lib
 from jaxrlvr import outputs
 from jaxrlvr.compare import stats as stats_lib
-from jaxrlvr.data import synthetic
 
 ACCURACY = outputs.ACCURACY_KEY
 # (name, what is compared, bound): the issue's calibration targets for the replay testbed.
@@ -68,9 +68,9 @@ class SeedFigures:
 
 def in_between_levels(data: dict) -> list[str]:
   """The levels of the task's mix whose warm-start worked fraction is strictly between 0 and 1."""
-  fractions = synthetic.parse_worked_by_level(str(data.get("worked_by_level", "")),
+  fractions = data_lib.parse_worked_by_level(str(data.get("worked_by_level", "")),
                                              default=float(data.get("worked_fraction", 1.0)))
-  return [lv for lv in dict.fromkeys(synthetic.parse_levels(str(data.get("levels", "")))) if 0.0 < fractions[lv] < 1.0]
+  return [lv for lv in dict.fromkeys(data_lib.parse_levels(str(data.get("levels", "")))) if 0.0 < fractions[lv] < 1.0]
 
 
 def first_visit_constant(questions: dict[int, dict], *, first_steps: int, levels: list[str]):
@@ -111,7 +111,7 @@ def seed_figures(workdir: str, *, first_steps: int = 20, budget: float | None = 
   data = config.get("data", {})
   between = in_between_levels(data)
   row0 = run.rows[0]
-  mix = list(synthetic.parse_levels(str(data.get("levels", ""))))
+  mix = list(data_lib.parse_levels(str(data.get("levels", ""))))
   share, by_level, n = first_visit_constant(run.questions, first_steps=first_steps, levels=mix)
   visits = outputs.visit_stats(run.questions, last_step=last) if run.questions else None
   return SeedFigures(

@@ -14,6 +14,8 @@ from jaxrlvr.data.registry import sources_from_config
 from jaxrlvr.data.registry import Subset
 from jaxrlvr.data.sources import ListSource
 from jaxrlvr.data.synthetic import ArithmeticSource
+from jaxrlvr.data.synthetic import parse_levels
+from jaxrlvr.data.synthetic import parse_worked_by_level
 from jaxrlvr.data.synthetic import warm_start_texts
 from jaxrlvr.data.templates import format_prompt
 from jaxrlvr.data.templates import stop_token_ids
@@ -29,5 +31,6 @@ from jaxrlvr.data.types import Source
 
 __all__ = ["ArithmeticSource", "DataError", "Example", "ListSource", "QuestionIterator", "Source", "Subset",
            "TEMPLATES", "check_prompts", "describe_row", "embedded_tokenizer_dir", "encode", "format_prompt",
-           "hold_out", "load_tokenizer", "make_source", "rows_without_solution", "sources_from_config",
+           "hold_out", "load_tokenizer", "make_source", "parse_levels", "parse_worked_by_level",
+           "rows_without_solution", "sources_from_config",
            "stop_token_ids", "tokenizer_from_config", "warm_start_pairs", "warm_start_texts"]
