@@ -187,7 +187,7 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
   A `train.num_microbatches` whose micro-batches do not split over the mesh's batch shards is replaced by
   `config_lib.splitting_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles (minutes each
   at 7B on 2 cores). `min_hbm`: also the least HBM each program compiles in, by a bisection over XLA:TPU's
-  xla_tpu_max_hbm_size_mib from its argument + output bytes to the chip's HBM (a compile a step, ~8 steps).
+  xla_tpu_max_hbm_size_mib from a quarter of what it holds by default to the chip's HBM (a compile a step, ~9).
   """
   from jaxrlvr.plan import work as work_lib  # pylint: disable=g-import-not-at-top
   from jaxrlvr.plan import xla as plan_xla  # pylint: disable=g-import-not-at-top
@@ -296,14 +296,11 @@ def format_report(config: Any, target: Target, sizes: tuple[int, int, int], repo
   if "update" in by_name:
     u = by_name["update"]
     mfu = work["update"].model_flops / (u.seconds * chip.peak_flops / chip.devices_per_chip)
-    lines.append(f"update: MFU bound {mfu:.0%} (model FLOPs {work['update'].model_flops * len_devices(sizes):.3g} "
-                 f"a step over {len_devices(sizes)} devices at the bound)")
+    devices = math.prod(sizes)
+    lines.append(f"update: MFU bound {mfu:.0%} (model FLOPs {work['update'].model_flops * devices:.3g} "
+                 f"a step over {devices} devices at the bound)")
   if "decode" in by_name:
     d = by_name["decode"]
     lines.append(f"decode: {work['decode'].tokens / d.seconds:,.0f} tokens/s bound over the slice "
                  f"({work['decode'].tokens} tokens a call)")
   return "\n".join(lines)
-
-
-def len_devices(sizes: tuple[int, int, int]) -> int:
-  return math.prod(sizes)
