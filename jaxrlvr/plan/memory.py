@@ -46,8 +46,7 @@ STORE_SLACK = 8 / 7  # replay/storage.py compacts a page once its dead tokens ex
 # docstring): [b, S, F] and [b, S, D] arrays in the compute dtype.
 BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
 FORWARD_MLP_ARRAYS, FORWARD_HIDDEN_ARRAYS = 3, 2
-# XLA:TPU keeps one [b, S, F] array fewer in a forward (gate and up; their product goes into the down projection's
-# fusion): the 7B scoring pass on v5p:2x2x1 compiled to 17.45 GB a chip, which 2 give (17.5 GB) and 3 do not (20.4).
+# XLA:TPU keeps one [b, S, F] array fewer in a forward (7B scoring pass, v5p:2x2x1: 17.45 GB compiled; 2 give 17.5).
 TPU_FORWARD_MLP_ARRAYS = 2
 LOGITS_CHUNK_COPIES = 4  # the scorer's [b, chunk, vocab chunk] f32 logits live at once in the backward (3 forward)
 KEPT_LOGITS_COPIES = 3  # the update's kept [b, T, V] f32 logits and two of their size in its backward (train.keep_logits_mb)
@@ -375,11 +374,9 @@ def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int
     return {**out, **_prefill_weights(w, wt)}
   activations = _layer_forward_bytes(w, w.prefill_rows, w.prefill_tokens, w.seq_len)
   if w.prefill_rows < r and w.backend != "tpu":
-    # Row blocks on XLA:CPU and XLA:GPU: a block's cache fills layer by layer while its forward runs (the last
-    # layer's forward beside the other layers' k and v), then is written into the call's cache whole, which copies
-    # one k or v of the call's (the 7B prefill on 8 x H100 compiled to 46.86 GB a device, 38.1 without this term).
-    # XLA:TPU writes each layer's block into the call's cache in place: nothing beyond the forward (on v5p:2x2x1
-    # it compiled to 41.37 GB a chip; this term would have added 8.2 GB).
+    # Row blocks on XLA:CPU and GPU: a block's cache fills layer by layer beside its forward, then is copied into
+    # the call's whole (7B prefill, 8 x H100: 46.86 GB compiled, 38.1 without this term). XLA:TPU writes each
+    # layer's block in place (v5p:2x2x1: 41.37 GB compiled; this term would add 8.2 GB).
     row = w.seq_len * w.kv_heads * m.head_dim * c  # one row's k (or v) of one layer
     block = 2 * w.prefill_rows * row
     activations = max(activations + (m.num_layers - 1) * block, r * row + m.num_layers * block)

@@ -17,8 +17,8 @@ the compile time, the TPU compiler's memory per chip (its peak and argument + ou
 chip's HBM and against the planner (`plan/memory.py`), and a lower bound on its time: the largest of FLOPs at the
 chip's peak, bytes at its HBM bandwidth, and the collectives the compiled program runs at its interconnect's
 bandwidth. FLOPs and HBM bytes are the planner's arithmetic (the compiler's `cost_analysis()` counts a loop's body
-once, and XLA:TPU writes its matmuls as convolutions with its own loops around them, so its FLOPs are printed
-beside as what they are); the collectives' bytes are read from the optimized program (`plan/hlo.py`), each
+once, and XLA:TPU writes its matmuls as convolutions with its own loops around them, so its FLOPs are not
+used); the collectives' bytes are read from the optimized program (`plan/hlo.py`), each
 counted as often as its loop runs (XLA's recorded trip counts; the decode's: max_new_tokens). The update's bound
 gives an MFU bound (model FLOPs, 6 x parameters x tokens plus attention, over the chips' peak for that time), the
 decode's a tokens/s bound.
@@ -145,12 +145,11 @@ class ProgramReport:
   total_bytes: int  # argument + output + temp - alias
   planned_bytes: int
   flops: float  # the planner's FLOPs per chip for one call
-  compiler_flops: float | None  # cost_analysis()'s, a loop body counted once
   hbm_bytes: float  # the planner's bytes read and written per chip
   collective_bytes: float  # from the optimized program, loops' trip counts multiplied in
-  loop_collectives: int  # collective instructions inside a `while` body
   loop_all_gathers: int
   seconds: float  # the lower bound on the call's time
+  bound_by: str  # what sets it: "FLOPs", "HBM" or "ICI"
   min_hbm_bytes: int | None = None  # --min_hbm: the least HBM (xla_tpu_max_hbm_size_mib) it compiles in
 
 
@@ -165,16 +164,15 @@ def analyse(name: str, compiled: Any, compile_s: float, *, planned_bytes: int, f
   text = compiled.as_text()
   inside = hlo.collectives(text, in_loops=True)
   collective_bytes = hlo.collective_bytes(text, unknown_trips=loop_trips)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-  compiler_flops = float(cost["flops"]) if cost and "flops" in cost else None
   per_device = chip.devices_per_chip
-  seconds = max(flops / (chip.peak_flops / per_device), hbm_bytes / (chip.hbm_bandwidth / per_device),
-                collective_bytes / (chip.ici_bandwidth / per_device) if chip.ici_bandwidth else 0.0)
+  times = {"FLOPs": flops / (chip.peak_flops / per_device), "HBM": hbm_bytes / (chip.hbm_bandwidth / per_device),
+           "ICI": collective_bytes / (chip.ici_bandwidth / per_device) if chip.ici_bandwidth else 0.0}
+  bound_by = max(times, key=times.get)
   return ProgramReport(name=name, compile_s=compile_s, peak_bytes=peak, total_bytes=total,
-                       planned_bytes=planned_bytes, flops=flops, compiler_flops=compiler_flops, hbm_bytes=hbm_bytes,
-                       collective_bytes=collective_bytes, loop_collectives=len(inside),
-                       loop_all_gathers=hlo.count(inside, "all-gather"), seconds=seconds)
+                       planned_bytes=planned_bytes, flops=flops, hbm_bytes=hbm_bytes,
+                       collective_bytes=collective_bytes,
+                       loop_all_gathers=hlo.count(inside, "all-gather"), seconds=times[bound_by],
+                       bound_by=bound_by)
 
 
 def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] | None = None,
@@ -283,15 +281,12 @@ def format_report(config: Any, target: Target, sizes: tuple[int, int, int], repo
            "loop all-gathers  collective GB  bound ms  bound by"]
   for r in reports:
     used = r.peak_bytes or r.total_bytes
-    per_device = chip.devices_per_chip
-    parts = {"FLOPs": r.flops / (chip.peak_flops / per_device), "HBM": r.hbm_bytes / (chip.hbm_bandwidth / per_device),
-             "ICI": r.collective_bytes / (chip.ici_bandwidth / per_device) if chip.ici_bandwidth else 0.0}
     lines.append(f"{r.name:<9} {r.compile_s:>9.0f}  {gb(r.peak_bytes):>7}  {gb(r.total_bytes):>21}  "
                  f"{gb(r.min_hbm_bytes):>12}  "
                  f"{'yes' if used <= hbm else 'NO':>4}  {gb(r.planned_bytes):>10}  "
                  f"{r.planned_bytes / r.total_bytes:>13.2f}  "
                  f"{r.loop_all_gathers:>16}  {r.collective_bytes / 1e9:>13.2f}  {r.seconds * 1e3:>8.1f}  "
-                 f"{max(parts, key=parts.get)}")
+                 f"{r.bound_by}")
   by_name = {r.name: r for r in reports}
   if "update" in by_name:
     u = by_name["update"]

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlvr.models import apply_rope, rope_inv_freq
 from jaxrlvr.rollout.bounded import BATCH_AXES
-from jaxrlvr.rollout.decode import already_laid_out, decode_shardings, sample
+from jaxrlvr.rollout.decode import already_laid_out, decode_shardings, in_decode_layout, sample
 
 TENSOR_AXIS = "tensor"
 FIRST_SEGMENT = 64  # cache slots of the first segment; each next one doubles, up to MAX_SEGMENT
@@ -176,8 +176,7 @@ def decode_layout(params: Any, mesh: Any, compute_dtype: Any) -> Any:
 def _relayout(leaves: list, shardings: tuple, dtype: str) -> list:
   """One program for every leaf (per-leaf dispatches queue up on XLA:CPU's launch pool; see jaxrlvr/xla_cpu.py)."""
   TRACE_COUNTS["relayout"] += 1
-  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-  return [jax.lax.with_sharding_constraint(cast(x), s) for x, s in zip(leaves, shardings)]
+  return in_decode_layout(leaves, shardings, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
