@@ -1,5 +1,7 @@
 """The rollout engine inside a run: config keys reach every sampler call, and RL steps compile nothing new."""
+import collections
 import os
+import threading
 import types
 
 import pytest
@@ -16,6 +18,19 @@ from jaxrlvr.rollout import engine
 from jaxrlvr.rollout import scheduler
 
 
+class _TracesByThread(collections.Counter):
+  """engine.TRACE_COUNTS that also logs (thread, function) for each trace: the engine's functions count their traces
+  with `TRACE_COUNTS[name] += 1` while they are traced, in the thread that traces them."""
+
+  def __init__(self):
+    super().__init__()
+    self.log = []
+
+  def __setitem__(self, key, value):
+    self.log.append((threading.get_ident(), key))
+    super().__setitem__(key, value)
+
+
 @pytest.mark.slow
 def test_three_rl_steps_of_the_embedded_default_compile_once(tmp_path, monkeypatch):
   """The embedded default (GRPO, the tiny model, 16 x 8 rows) with rollout.engine='continuous': each step's rollout
@@ -23,12 +38,18 @@ def test_three_rl_steps_of_the_embedded_default_compile_once(tmp_path, monkeypat
   step-0 evaluation (`Trainer.prepare_first_rollout`), the later ones reuse them."""
   calls = []
   real = scheduler.generate
+  traces = _TracesByThread()
+  monkeypatch.setattr(engine, "TRACE_COUNTS", traces)
 
   def spy(model, prompts, **kwargs):
-    before = sum(engine.TRACE_COUNTS.values())
+    # A rollout's own traces: those of the thread that calls the sampler. Another thread's (a compile ahead still
+    # finishing, a background job of an earlier test in this worker) are not the rollout's; they are shown if it fails.
+    before = len(traces.log)
     out = real(model, prompts, **kwargs)
+    during = traces.log[before:]
     calls.append(dict(rows=len(prompts), temperature=kwargs["temperature"],
-                      traced=sum(engine.TRACE_COUNTS.values()) - before))
+                      traced=sum(thread == threading.get_ident() for thread, _ in during),
+                      other_threads=[name for thread, name in during if thread != threading.get_ident()]))
     return out
 
   monkeypatch.setattr(scheduler, "generate", spy)
