@@ -328,3 +328,26 @@ def test_hlo_collectives_inside_loops_and_their_trip_counts():
   assert [(c.op, c.result_bytes) for c in hlo.collectives(_HLO, in_loops=False)] == [("all-gather", 1024)]
   # The outer loop records no trip count (5 assumed), the inner one 28: its all-gather runs 5 x 28 times a call.
   assert hlo.collective_bytes(_HLO, unknown_trips=5) == 1024 + 5 * 4096 + 5 * 28 * 64 * 128 * 2
+
+
+@pytest.mark.parametrize("least,probes", [
+    (950, [909, 1111]),  # the planner (1000 MiB) within 10%: its band's two probes settle it
+    (700, [909, 476, 657, 772]),  # over by more: ratios halved down from the band's lower edge (sqrt(250 x 909) ...)
+    (1500, [909, 1111, 4000, 2108, 1530, 1303]),  # under by more: the ceiling, then halved down to the band's width
+    (5000, [909, 1111, 4000]),  # more than the chip: None
+])
+def test_least_hbm_bracket_probes_the_planners_band_first(least, probes):
+  from jaxrlvr.plan import topology
+  asked = []
+
+  def compiles_within(mib):
+    asked.append(mib)
+    return mib >= least
+
+  bracket = topology.least_hbm_bracket(compiles_within, planned_mib=1000, floor_mib=250, ceiling_mib=4000)
+  assert asked == probes
+  if least > 4000:
+    assert bracket is None
+  else:
+    low, high = bracket
+    assert low < least <= high and high <= low * 1.1 / 0.9 + 1

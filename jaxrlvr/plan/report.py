@@ -303,8 +303,9 @@ def cli() -> None:
   flags.DEFINE_string("topology", "", "Compile the run's programs for a TPU topology's compile-only devices, e.g. "
                       "v5p:2x2x1, v5p:4x4x4, v5e:2x2 (needs pip install -e '.[tpu]'); --mesh or config.mesh over it.")
   flags.DEFINE_string("phases", "update,score,prefill,decode", "With --topology: the programs to compile.")
-  flags.DEFINE_bool("min_hbm", False, "With --topology: also bisect the least HBM each program compiles in "
-                    "(XLA:TPU's xla_tpu_max_hbm_size_mib; ~8 more compiles a program).")
+  flags.DEFINE_bool("min_hbm", False, "With --topology: also bracket the least HBM each program compiles in "
+                    "(XLA:TPU's xla_tpu_max_hbm_size_mib): 2 more compiles a program where the planner is within "
+                    "10% of it, ~5 where not.")
   flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")
   flags.DEFINE_integer("tokens_per_trajectory", -1, "Mean stored tokens; -1: "
                                                 f"min({memory_lib.TOKENS_PER_TRAJECTORY}, max_new_tokens).")

@@ -23,8 +23,8 @@ counted as often as its loop runs (XLA's recorded trip counts; the decode's: max
 gives an MFU bound (model FLOPs, 6 x parameters x tokens plus attention, over the chips' peak for that time), the
 decode's a tokens/s bound.
 
-The TPU-only environment (TPU_SKIP_MDS_QUERY, ALLOW_MULTIPLE_LIBTPU_LOAD) is set here, before libtpu loads, and
-nowhere else: a CPU run with libtpu installed is untouched (tests/test_tpu_compile.py).
+The TPU-only environment (TPU_SKIP_MDS_QUERY, ALLOW_MULTIPLE_LIBTPU_LOAD, and the metadata libtpu asks for) is set
+here, before libtpu loads, and nowhere else: a CPU run with libtpu installed is untouched (tests/test_tpu_compile.py).
 """
 from __future__ import annotations
 
@@ -108,6 +108,10 @@ def compile_only_devices(target: Target) -> list:
                                  f"pip install -e '.[tpu]' (jax[tpu] at the locked jax version)")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server off a TPU VM: do not wait for one
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a second process may hold libtpu (tests, CI)
+  # What a TPU VM's metadata says; unset, libtpu prints an error and two warnings for each, though the compile-only
+  # devices do not depend on them (libtpu 0.0.42.1: v5p:4x4x4 gives its 64 devices under any of these values).
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.topology_name.replace(":", "-"))
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name).devices)
 
@@ -150,7 +154,8 @@ class ProgramReport:
   loop_all_gathers: int
   seconds: float  # the lower bound on the call's time
   bound_by: str  # what sets it: "FLOPs", "HBM" or "ICI"
-  min_hbm_bytes: int | None = None  # --min_hbm: the least HBM (xla_tpu_max_hbm_size_mib) it compiles in
+  # --min_hbm: (low, high], the bytes between which the least HBM it compiles in lies (xla_tpu_max_hbm_size_mib)
+  min_hbm_bytes: tuple[int, int] | None = None
 
 
 def analyse(name: str, compiled: Any, compile_s: float, *, planned_bytes: int, flops: float, hbm_bytes: float,
@@ -183,9 +188,9 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
   compiled for `target`.
 
   A `train.num_microbatches` whose micro-batches do not split over the mesh's batch shards is replaced by
-  `config_lib.splitting_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles (minutes each
-  at 7B on 2 cores). `min_hbm`: also the least HBM each program compiles in, by a bisection over XLA:TPU's
-  xla_tpu_max_hbm_size_mib from a quarter of what it holds by default to the chip's HBM (a compile a step, ~9).
+  `config_lib.splitting_microbatches`' and said in the notes. `echo(line)` hears of each program as it compiles
+  (minutes each at 7B on 2 cores). `min_hbm`: also bracket the least HBM each program compiles in, over XLA:TPU's
+  xla_tpu_max_hbm_size_mib (`least_hbm_bracket`: 2 more compiles where the planner is within 10% of it, ~5 if not).
   """
   from jaxrlvr.plan import work as work_lib  # pylint: disable=g-import-not-at-top
   from jaxrlvr.plan import xla as plan_xla  # pylint: disable=g-import-not-at-top
@@ -218,29 +223,50 @@ def compile_on_topology(config: Any, target: Target, mesh: tuple[int, int, int] 
     del compiled
     if min_hbm:
       if echo:
-        echo(f"bisecting {phase}'s least HBM...")
-      floor_mib = report.total_bytes // 2**20 // 4  # assumed too small: a quarter of what it holds by default
-      least = least_hbm_mib(lambda mib: _compiles_within(config, mesh_obj, phase, mib), floor_mib,
-                            int(target.chip.hbm_bytes / target.chip.devices_per_chip) // 2**20)
-      report = dataclasses.replace(report, min_hbm_bytes=None if least is None else least * 2**20)
+        echo(f"bracketing {phase}'s least HBM...")
+      mib = lambda b: int(b // 2**20)
+      bracket = least_hbm_bracket(lambda cap: _compiles_within(config, mesh_obj, phase, cap),
+                                  planned_mib=mib(report.planned_bytes), floor_mib=mib(report.total_bytes) // 4,
+                                  ceiling_mib=mib(target.chip.hbm_bytes / target.chip.devices_per_chip))
+      report = dataclasses.replace(report, min_hbm_bytes=bracket and (bracket[0] * 2**20, bracket[1] * 2**20))
     reports.append(report)
   return sizes, reports, notes, work
 
 
-def least_hbm_mib(compiles_within: Any, low_mib: int, high_mib: int) -> int | None:
-  """The least HBM cap (MiB) under which `compiles_within(mib)` still compiles, to 1% of `high_mib` (at least 64
-  MiB), by bisection between `low_mib` (known or assumed too small) and `high_mib`; None when even `high_mib`
-  does not."""
-  tolerance_mib = max(64, high_mib // 100)
-  if not compiles_within(high_mib):
-    return None
-  while high_mib - low_mib > tolerance_mib:
-    middle = (low_mib + high_mib) // 2
+def least_hbm_bracket(compiles_within: Any, *, planned_mib: int, floor_mib: int, ceiling_mib: int,
+                      within: float = 0.10) -> tuple[int, int] | None:
+  """(low, high] in MiB: the least HBM cap under which `compiles_within(mib)` still compiles lies above low and at
+  or below high; None when the chip's `ceiling_mib` does not compile.
+
+  The first probes are the planner's band, planned / (1 + within) and planned / (1 - within): where the first fails
+  and the second compiles, two compiles show that the planner is within `within` of the least HBM, and the
+  bracket is that band. Otherwise the bracket is halved (in ratio) from there, between `floor_mib` (assumed too
+  small, not compiled) and the ceiling, until high / low is no wider than the band's (1 + within) / (1 - within).
+  A compile of a 7B update takes minutes to a quarter of an hour on 2 cores, hence the few probes.
+  """
+  width = (1 + within) / (1 - within)
+  low, high = floor_mib, None
+  for probe in (planned_mib / (1 + within), planned_mib / (1 - within)):
+    probe = min(int(probe), ceiling_mib)
+    if probe <= low:
+      continue
+    if compiles_within(probe):
+      high = probe
+      break
+    low = probe
+  if high is None:
+    if low >= ceiling_mib or not compiles_within(ceiling_mib):
+      return None
+    high = ceiling_mib
+  while high > low * width:
+    middle = int(math.sqrt(low * high)) if low else high // 2
+    if not low < middle < high:  # a bracket of a few MiB: as narrow as whole MiB go
+      break
     if compiles_within(middle):
-      high_mib = middle
+      high = middle
     else:
-      low_mib = middle
-  return high_mib
+      low = middle
+  return low, high
 
 
 def _compiles_within(config: Any, mesh: Any, phase: str, mib: int) -> bool:
@@ -282,7 +308,7 @@ def format_report(config: Any, target: Target, sizes: tuple[int, int, int], repo
   for r in reports:
     used = r.peak_bytes or r.total_bytes
     lines.append(f"{r.name:<9} {r.compile_s:>9.0f}  {gb(r.peak_bytes):>7}  {gb(r.total_bytes):>21}  "
-                 f"{gb(r.min_hbm_bytes):>12}  "
+                 f"{'-' if r.min_hbm_bytes is None else '-'.join(map(gb, r.min_hbm_bytes)):>12}  "
                  f"{'yes' if used <= hbm else 'NO':>4}  {gb(r.planned_bytes):>10}  "
                  f"{r.planned_bytes / r.total_bytes:>13.2f}  "
                  f"{r.loop_all_gathers:>16}  {r.collective_bytes / 1e9:>13.2f}  {r.seconds * 1e3:>8.1f}  "
