@@ -6,8 +6,8 @@ asserts what was kept: the checkpoint loads, the resumed metrics equal an uninte
 computed.
 
 The end-to-end runs are ExGRPO's smoke config (the SIGKILL test of tests/test_train.py, with 4 held-out questions)
-on one CPU device; one uninterrupted run per module is the reference. The export test exports a run made in this
-process (conftest's `finished_smoke_run`).
+on one CPU device; one uninterrupted run per test run is the reference (tests/shared_runs.py). The export test
+exports a run made in this process (conftest's `finished_smoke_run`).
 """
 import glob
 import http.server
@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import light_compile
+import shared_runs
 from jaxrlvr import faults
 from jaxrlvr import outputs
 from jaxrlvr.rewards import judge as judge_lib
@@ -83,12 +84,12 @@ def _logged(workdir, step):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, smoke_warm_start):
+def reference(smoke_warm_start):
   """The uninterrupted run: checkpoints at steps 2 and 4."""
-  del smoke_warm_start  # the command names its cache (JAXRLVR_WARM_START_CACHE)
-  workdir = str(tmp_path_factory.mktemp("reference") / "run")
-  result = _run(workdir)
-  assert result.returncode == 0, result.stderr[-4000:]
+  # The test run's one (tests/shared_runs.py), test_train.py's SIGKILL test's reference too: `_command`'s flags.
+  workdir, returncode, _, stderr = shared_runs.exgrpo_smoke_reference(smoke_warm_start)
+  assert returncode == 0, stderr.decode()[-4000:]
+  assert _OVERRIDES == ("--config.data.eval_size=4",)  # what the shared run adds to the smoke config
   return workdir
 
 

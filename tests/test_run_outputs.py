@@ -15,6 +15,7 @@ import pytest
 from matplotlib import image as mpimg
 
 import light_compile
+import shared_runs
 from jaxrlvr import evaluate as evaluate_lib
 from jaxrlvr import logs
 from jaxrlvr import outputs
@@ -30,10 +31,13 @@ _BAR = re.compile(r"^train: +\d+%\|")  # a frame of the progress bar
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, smoke_warm_start):
-  """(workdir, stdout, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` as a user starts it."""
-  workdir = str(tmp_path_factory.mktemp("run_outputs") / "grpo-smoke")
-  return (workdir, *_main(workdir, smoke_warm_start))
+def smoke_run(smoke_warm_start):
+  """(workdir, stdout, stderr) of `python -m jaxrlvr.main --config=configs/grpo.py:smoke` as a user starts it: the
+  test run's one (tests/shared_runs.py), which test_train.py's smoke test of GRPO reads too."""
+  workdir, returncode, stdout, stderr = shared_runs.grpo_smoke(smoke_warm_start)
+  # bytes: text mode would turn the bar's carriage returns into newlines
+  assert returncode == 0, stderr.decode("utf-8")[-4000:]
+  return workdir, stdout.decode("utf-8"), stderr.decode("utf-8")
 
 
 def _main(workdir: str, cache: str) -> tuple[str, str]:

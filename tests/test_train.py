@@ -2,6 +2,7 @@
 config change that would break resumption."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import pytest
 
 import light_compile
+import shared_runs
 from jaxrlvr import outputs
 
 pytestmark = pytest.mark.slow  # every test here runs whole main commands
@@ -47,7 +49,12 @@ def _by_step(workdir):
 @pytest.mark.parametrize("method", ["grpo", "advantage_priority", "bapo", "exprl"])
 def test_smoke_runs_every_method(method, tmp_path, smoke_warm_start):
   workdir = str(tmp_path / method)
-  _run(method, workdir, smoke_warm_start)
+  if method == "grpo":  # the command tests/test_run_outputs.py reads too: run once a test run (tests/shared_runs.py)
+    shared, returncode, _, stderr = shared_runs.grpo_smoke(smoke_warm_start)
+    assert returncode == 0, stderr.decode()[-4000:]
+    shutil.copytree(shared, workdir)  # the second command below runs on this test's own copy
+  else:
+    _run(method, workdir, smoke_warm_start)
   rows = _by_step(workdir)
   assert sorted(rows) == [0, 1, 2, 3, 4]
   for key in ("rollout/solve_rate", "rollout/response_length", "loss/policy", "loss/entropy", "optim/grad_norm",
@@ -67,10 +74,13 @@ def test_smoke_runs_every_method(method, tmp_path, smoke_warm_start):
 
 
 def test_sigkill_after_first_checkpoint_resumes_exactly(tmp_path, smoke_warm_start):
-  reference = str(tmp_path / "reference")
-  _run("exgrpo", reference, smoke_warm_start)
+  # The uninterrupted run is tests/test_faults.py's reference (4 held-out questions), made once a test run
+  # (tests/shared_runs.py); the killed run and its resumption use the same flags.
+  reference, returncode, _, stderr = shared_runs.exgrpo_smoke_reference(smoke_warm_start)
+  assert returncode == 0, stderr.decode()[-4000:]
+  eval_size = "--config.data.eval_size=4"
   killed = str(tmp_path / "killed")
-  proc = subprocess.Popen(_command("exgrpo", killed, smoke_warm_start), cwd=_REPO, env=_env("exgrpo"),
+  proc = subprocess.Popen(_command("exgrpo", killed, smoke_warm_start, eval_size), cwd=_REPO, env=_env("exgrpo"),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   first = os.path.join(killed, "checkpoints", "2")
   deadline = time.time() + _TIMEOUT_S
@@ -79,7 +89,7 @@ def test_sigkill_after_first_checkpoint_resumes_exactly(tmp_path, smoke_warm_sta
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert os.path.isdir(first), "the run ended before its first checkpoint"
-  _run("exgrpo", killed, smoke_warm_start)
+  _run("exgrpo", killed, smoke_warm_start, eval_size)
   expected, resumed = _by_step(reference), _by_step(killed)
   assert sorted(resumed) == sorted(expected) == [0, 1, 2, 3, 4]
   assert resumed[4]["replay/replayed_rollouts"] > 0 or expected[4]["replay/buffer_trajectories"] == 0
