@@ -121,7 +121,8 @@ SMOLLM2_LEVELS = "add2,mul1x2"
 # (steps 1-7) are constant. Two other mixes at temperature 0.7 (64-75% constant), on seeds 0-2, each missed one:
 # addsub2 at 0.5 gained +0.084 on average but left add3 at 8.6% and 1.6% on seeds 1 and 2 (and addsub2 at 13.3% on
 # seed 2); add3 fully worked, addsub2 0.6 and mul1x2 0.5 kept both in-between levels at 18-40% but gained +0.053 on
-# average (+0.047, +0.029, +0.083), and +0.047 in twice as many steps.
+# average (+0.047, +0.029, +0.083), and +0.047 in twice as many steps; add3 back at 0.7 beside those gained +0.040
+# and +0.005 on seeds 0 and 1 and left seed 1's add3 at 97.7% (docs/testbed.md, try 5).
 TESTBED_LEVELS = "add1x2,add2,add3,addsub2,mul1x2,mul2x2"
 TESTBED_WORKED = "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
 TESTBED_ARMS = ("grpo", "exgrpo", "exgrpo-mixed_clip", "exgrpo-bucket_accuracy", "exgrpo-no_shaping",
