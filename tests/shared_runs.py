@@ -56,7 +56,7 @@ def main_run(name: str, args: list[str], env: dict) -> tuple[str, int, bytes, by
 def grpo_smoke(cache: str) -> tuple[str, int, bytes, bytes]:
   """`--config=configs/grpo.py:smoke` as a user starts it (no verbose or sharding-table setting in its environment),
   compiled light: tests/test_run_outputs.py reads what it said and wrote, test_train.py's smoke test of every method
-  its metrics (the latter's GRPO case: 13.1 -> 1.6 CPU-s, 2026-12-08)."""
+  its metrics, test_main_errors.py's finished-run tests copy it (the latter's GRPO case: 13.1 -> 1.6 CPU-s, 2026-12-08)."""
   env = {k: v for k, v in light_compile.job_env().items() if k not in (logs.VERBOSE_ENV, logs.SHARDING_ENV)}
   return main_run("grpo-smoke", ["--config=configs/grpo.py:smoke", f"--config.warm_start.cache_dir={cache}"], env)
 

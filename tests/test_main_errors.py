@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import light_compile
+import shared_runs
 from jaxrlvr import checkpointing
 from jaxrlvr import config_lib
 from jaxrlvr import outputs
@@ -186,12 +187,14 @@ def test_malformed_jsonl_row_names_file_line_row_and_column(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, smoke_warm_start):
-  """A grpo smoke run finished at step 1; each test works on a copy."""
-  del smoke_warm_start  # the command names its cache (JAXRLVR_WARM_START_CACHE)
-  workdir = str(tmp_path_factory.mktemp("finished") / "run")
-  result = _main(*_grpo(workdir, "--config.total_steps=1"))
-  assert result.returncode == 0, result.stderr[-4000:]
+def finished_run(smoke_warm_start):
+  """A grpo smoke run finished at step 4, the test run's one (tests/shared_runs.py: its own 1-step run here was one
+  more main command, ~9.6 CPU-s); each test works on a copy."""
+  workdir, returncode, _, stderr = shared_runs.grpo_smoke(smoke_warm_start)
+  assert returncode == 0, stderr.decode()[-4000:]
+  # The shared run's command is this module's `_grpo`.
+  assert [a for a in _grpo(workdir) if not a.startswith("--workdir=")] == [
+      "--config=configs/grpo.py:smoke", f"--config.warm_start.cache_dir={smoke_warm_start}"]
   return workdir
 
 
@@ -211,8 +214,8 @@ def _config_json(workdir) -> str:
 @pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 def test_finished_run_with_the_same_config_has_nothing_to_do(finished_copy):
   workdir, config_json = finished_copy
-  result = _main(*_grpo(workdir, "--config.total_steps=1"))
-  assert result.returncode == 0 and "is finished (step 1 of 1); nothing to do" in result.stdout
+  result = _main(*_grpo(workdir, "--config.total_steps=4"))
+  assert result.returncode == 0 and "is finished (step 4 of 4); nothing to do" in result.stdout
   assert _config_json(workdir) == config_json
 
 
@@ -223,15 +226,15 @@ def test_finished_run_with_the_same_config_has_nothing_to_do(finished_copy):
 ])
 def test_finished_run_refuses_a_change_it_would_ignore(finished_copy, override, change):
   workdir, config_json = finished_copy
-  line = _error_line(_main(*_grpo(workdir, "--config.total_steps=1", override)))
-  assert f"the run in {workdir} is finished (step 1 of 1)" in line and change in line
+  line = _error_line(_main(*_grpo(workdir, "--config.total_steps=4", override)))
+  assert f"the run in {workdir} is finished (step 4 of 4)" in line and change in line
   assert _config_json(workdir) == config_json
 
 
 @pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 def test_extending_a_finished_run_refuses_a_change_that_breaks_resumption(finished_copy):
   workdir, config_json = finished_copy
-  line = _error_line(_main(*_grpo(workdir, "--config.total_steps=2", "--config.optim.lr=1e-3")))
+  line = _error_line(_main(*_grpo(workdir, "--config.total_steps=5", "--config.optim.lr=1e-3")))
   assert "optim.lr: 3e-05 -> 0.001" in line and "break resumption" in line
   assert _config_json(workdir) == config_json
 
@@ -239,11 +242,11 @@ def test_extending_a_finished_run_refuses_a_change_that_breaks_resumption(finish
 @pytest.mark.slow  # a finished main command (the module fixture), then the same command again
 def test_a_larger_total_steps_extends_a_finished_run_and_says_so(finished_copy):
   workdir, _ = finished_copy
-  result = _main(*_grpo(workdir, "--config.total_steps=2"))
+  result = _main(*_grpo(workdir, "--config.total_steps=5"))
   assert result.returncode == 0, result.stderr[-4000:]
-  assert f"the run in {workdir} finished at step 1; total_steps=2 extends it from 1 to 2 steps" in result.stdout
-  assert json.loads(_config_json(workdir))["total_steps"] == 2
-  assert max(row["step"] for row in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 2
+  assert f"the run in {workdir} finished at step 4; total_steps=5 extends it from 4 to 5 steps" in result.stdout
+  assert json.loads(_config_json(workdir))["total_steps"] == 5
+  assert max(row["step"] for row in outputs.read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 5
 
 
 # ------------------------------------------------------------------------------------------------ The rules
