@@ -69,12 +69,14 @@ def pytest_collection_finish(session):  # pylint: disable=unused-argument
   gc.set_threshold(20_000, 20, 20)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_smoke_run(tmp_path_factory):
   """(workdir, config) of a finished GRPO smoke run (4 steps, checkpoints 2 and 4, the run's own export DIR/hf),
   run in this process from the random initialisation: for tests of what a finished run leaves (export, faults), which
-  check what is written, not what the warm start taught. Without a warm start the fast tier trains none; the same
-  config in every module that asks, so their programs come from the test run's compilation cache after the first."""
+  check what is written, not what the warm start taught. Without a warm start the fast tier trains none. Once a
+  worker, not once a module: test_export and test_faults, next to each other, mostly share a worker, and a module
+  fixture ran it again for the second (~9 CPU-s). What they add to it (test_export's hf-2, its export rewritten
+  from checkpoint 4) leaves what the other checks as it was."""
   from configs import grpo  # pylint: disable=g-import-not-at-top
   from jaxrlvr import train  # pylint: disable=g-import-not-at-top
   config = grpo.get_config("smoke")
