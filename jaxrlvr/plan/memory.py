@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
@@ -22,6 +21,7 @@ from jaxrlvr import models
 from jaxrlvr import parallel
 from jaxrlvr import run_setup
 from jaxrlvr import scoring
+from jaxrlvr.plan.replay_host import EXGRPO_STORE_FRACTION, replay_estimate
 from jaxrlvr.rollout import bucket_length
 
 GB = 1e9
@@ -38,10 +38,6 @@ CPU_MEMORY_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false "
 # LLVM emitters in place of its MLIR fusion emitters give the same figures again and halve the rest at level 0 (the
 # 6 phases x 3 depths: 107 -> 57 CPU-s, 2026-12-05).
 CPU_COMPILE_ONLY_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-EXGRPO_STORE_FRACTION = 202_011 / (700 * 128 * 8)  # ExGRPO paper: trajectories stored / rollouts sampled
-TOKENS_PER_TRAJECTORY = 1000  # see plan/report.py's docstring
-ROW_INDEX_BYTES = 52  # per stored row: order queue (2 x int64) + ~36 bytes in the owner's Python list of row ids
-STORE_SLACK = 8 / 7  # replay/storage.py compacts a page once its dead tokens exceed 1/8
 # Arrays of one layer live at its peak, counted in XLA's buffer assignment of the 7B-wide phases (plan/report.py's
 # docstring): [b, S, F] and [b, S, D] arrays in the compute dtype.
 BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
@@ -256,6 +252,7 @@ def weights(w: Workload, mesh: Any, mesh_kind: str) -> dict[str, int]:
       # engine.decode_layout: every parameter with the batch axes dropped, in the compute dtype
       "decode_copy": sum(full.values()) * w.compute_bytes,
       "embed_copy": full["embed"] * w.compute_bytes,  # its share of it: the embedding table
+      "largest_copy": max(full.values()) * w.compute_bytes,  # and its largest weight
       # engine.heads_minor_o_proj: every layer's o_proj once more, as the decode reads it, in the compute dtype
       "o_proj_copy": m.num_layers * full["layers.0.attn.o_proj"] * w.compute_bytes,
       "layer": sum(n for path, n in local.items() if path.startswith("layers.0.")) * p,
@@ -349,7 +346,8 @@ def _sampler_weights(w: Workload, wt: dict[str, int], *, layers: int) -> dict[st
   # The engine copies (and casts) whatever moves; the static sampler gathers only what fsdp splits, and casts
   # weights that nothing splits inside its layers, as below.
   if w.decode_copy and (split or w.engine):
-    return {"params": wt["params"], "decode_copy": wt["decode_copy"] if moved else 0, "gathered": 0}
+    return {"params": wt["params"], "decode_copy": wt["decode_copy"] if moved else 0, "gathered": 0,
+            "gather_buffer": _gather_buffer(w, wt)}
   # decode_weights="training": XLA:CPU hoists the loop-invariant all-gathers out of the loop, so every layer's
   # gathered copy and the unembedding's live through it; XLA:TPU gathers them inside the loop, every step (its
   # compile of the 7B decode on v5p-8), which costs bytes over the interconnect, not memory: counted the same.
@@ -358,6 +356,13 @@ def _sampler_weights(w: Workload, wt: dict[str, int], *, layers: int) -> dict[st
   if moved:
     gathered = (layers * wt["layer_full"] + wt["unembed_full"]) * cast // w.param_bytes
   return {"params": wt["params"], "gathered": gathered}
+
+
+def _gather_buffer(w: Workload, wt: dict[str, int]) -> int:
+  """XLA:TPU gathers a weight over 64 chips by writing its shard into a zeroed full-size buffer and all-reducing it:
+  the static sampler's gather (decode.in_decode_layout) holds the largest weight once more while it does (7B decode,
+  v5p:4x4x4, one layer: 4.18 GB of temporaries, 1.09 GB over the copy). The engine gathers in a program of its own."""
+  return wt["largest_copy"] if w.backend == "tpu" and w.decode_copy and not w.engine and w.mesh_shape[1] > 1 else 0
 
 
 def prefill_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
@@ -398,7 +403,7 @@ def _prefill_weights(w: Workload, wt: dict[str, int]) -> dict[str, int]:
       # on its shards: XLA:CPU's 1-layer 7B-wide prefill held 9.55 GB, 2.9 GB under the whole copy's plan.
       out["decode_copy"] -= wt["embed_copy"]
     return out
-  return {"gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False)}
+  return {"gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False), "gather_buffer": _gather_buffer(w, wt)}
 
 
 def decode_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
@@ -458,37 +463,6 @@ def plan_memory(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu",
   out["replay_trajectories"] = trajectories
   out["replay_tokens"] = tokens
   return out
-
-
-def replay_estimate(config: Any, *, trajectories: int | None, tokens_per_trajectory: int | None,
-                    store_fraction: float) -> tuple[int, int, int]:
-  """(host bytes, trajectories, tokens per trajectory) of the replay buffer at its expected size."""
-  from jaxrlvr.replay import RolloutStore  # pylint: disable=g-import-not-at-top
-  r, name = config.replay, config.replay.name
-  rollouts = config.rollout.batch_size * config.rollout.group_size
-  if trajectories is None:
-    if name == "exgrpo":
-      trajectories = round(config.total_steps * rollouts * store_fraction)
-    elif name == "advantage_priority":
-      trajectories = min(r.capacity, r.tau_max * rollouts)
-    elif name == "bapo":
-      trajectories = r.window * rollouts
-    else:
-      trajectories = 0
-  if tokens_per_trajectory is None:
-    tokens_per_trajectory = min(TOKENS_PER_TRAJECTORY, config.rollout.max_new_tokens)
-  max_tokens = r.get("max_tokens", 0)
-  if max_tokens and trajectories * tokens_per_trajectory > max_tokens:
-    trajectories = max_tokens // tokens_per_trajectory
-  # Measure the store's own accounting: one row of 1 token, then one of 3: A = row + tok, B = 2 row + 4 tok.
-  store = RolloutStore()
-  store.add(np.zeros(1, np.int32), np.zeros(1, np.float32), qid=0, step=0)
-  one = store.live_nbytes()
-  store.add(np.zeros(3, np.int32), np.zeros(3, np.float32), qid=1, step=0)
-  per_token = (store.live_nbytes() - 2 * one) // 2
-  per_row = one - per_token
-  live = trajectories * (tokens_per_trajectory * per_token + per_row)
-  return int(live * STORE_SLACK + trajectories * ROW_INDEX_BYTES), int(trajectories), int(tokens_per_trajectory)
 
 
 def fits(memory: dict[str, int], accelerator: str, *, usable_fraction: float = USABLE_FRACTION) -> bool:

@@ -41,7 +41,8 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   `decode_weights="replicated"` both phases read a copy of every parameter with the batch axes dropped, in c
   (`decode copy`), and gather nothing; the fsdp-sharded parameters stay resident. Its decode also holds every
   layer's o_proj once more, transposed to the order its dot sums in (L x N x H x D x c over 'tensor'). Both are
-  checked against XLA (the
+  checked against XLA (the static sampler gathers the copy inside its programs; on TPU the largest weight is held
+  once more while XLA:TPU gathers it through a zeroed full-size buffer, `gather buffer`; the
   insert's prompt forward is planned as the static prefill's, which XLA:CPU compiles into ~1.3 GB less at 7B
   width: the plan is 11-19% high there).
 - Sampler call (`rollout.generate`; a step's B x K rollouts in calls of r = min(rows a device,
@@ -98,6 +99,7 @@ import jax
 from jaxrlvr import config_lib
 from jaxrlvr import run_setup
 from jaxrlvr.plan import memory as memory_lib
+from jaxrlvr.plan import replay_host
 from jaxrlvr.plan import topology
 from jaxrlvr.plan.memory import (ACCELERATORS, BACKENDS, CPU_COMPILE_ONLY_FLAGS, CPU_MEMORY_FLAGS, GB,
                                  USABLE_FRACTION, fits, plan_memory, workload)
@@ -178,6 +180,8 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
         if "decode.decode_copy" in mem else []),
       *([_row("o_proj as the decode reads it (engine.heads_minor_o_proj)", mem["decode.o_proj_copy"])]
         if "decode.o_proj_copy" in mem else []),
+      *([_row("gather buffer (XLA:TPU: the largest weight)", mem["decode.gather_buffer"])]
+        if mem.get("decode.gather_buffer") else []),
       _row("peak", mem["rollout_peak"]),
       _row(f"PEAK ({_peak_phase(mem)})", mem["peak"], indent=""),
       "",
@@ -308,8 +312,8 @@ def cli() -> None:
                     "10% of it, ~5 where not.")
   flags.DEFINE_integer("replay_trajectories", -1, "Stored trajectories; -1: estimate.")
   flags.DEFINE_integer("tokens_per_trajectory", -1, "Mean stored tokens; -1: "
-                                                f"min({memory_lib.TOKENS_PER_TRAJECTORY}, max_new_tokens).")
-  flags.DEFINE_float("store_fraction", memory_lib.EXGRPO_STORE_FRACTION,
+                                                f"min({replay_host.TOKENS_PER_TRAJECTORY}, max_new_tokens).")
+  flags.DEFINE_float("store_fraction", replay_host.EXGRPO_STORE_FRACTION,
                                        "ExGRPO: stored / sampled rollouts.")
   flags.mark_flags_as_required(["config"])
   app.run(main)
