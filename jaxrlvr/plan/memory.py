@@ -268,9 +268,12 @@ def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -
   full, cast = wt["layer_full"], wt["layer_full"] * w.compute_bytes // w.param_bytes
   if w.backend == "cpu":  # measured: every layer's gathered copy stays live (and in the backward its full gradient)
     return layers * full * (2 if backward else 1)
-  # Accelerators: the layer running and the one prefetched, in the compute dtype, one param-dtype gather in flight;
-  # the backward adds one layer's full-size gradient before its reduce-scatter.
-  return 2 * cast + full + (full if backward else 0)
+  # Accelerators: the layer running and the one prefetched, in the compute dtype, and one gather in flight: in the
+  # parameter dtype on GPU, in the compute dtype on TPU, whose gathers cast on the shard first (the 7B scoring pass
+  # on v5p:4x4x4 gathers every weight in bf16); the backward adds one layer's full-size gradient before its
+  # reduce-scatter.
+  in_flight = cast if w.backend == "tpu" else full
+  return 2 * cast + in_flight + (full if backward else 0)
 
 
 def _stacked_layers(w: Workload, wt: dict[str, int]) -> int:
@@ -403,7 +406,8 @@ def _prefill_weights(w: Workload, wt: dict[str, int]) -> dict[str, int]:
       # on its shards: XLA:CPU's 1-layer 7B-wide prefill held 9.55 GB, 2.9 GB under the whole copy's plan.
       out["decode_copy"] -= wt["embed_copy"]
     return out
-  return {"gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False), "gather_buffer": _gather_buffer(w, wt)}
+  return {"gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False),
+          "gather_buffer": _gather_buffer(w, wt)}
 
 
 def decode_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:

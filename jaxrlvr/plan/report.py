@@ -61,13 +61,13 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
 - model.scan_layers: the update holds every layer's weights stacked in c for its scan, and their stacked gradient
   (2 x L x one layer's shard in c); the scoring pass the stacked weights.
 - Gathered weights (fsdp > 1, or a compute dtype other than the parameters'): one layer's parameters with the
-  batch axes dropped, in p (the partitioner all-gathers the parameters, then casts). GPU and TPU (unchecked: no
-  accelerator compile has been compared): the running and the prefetched layer in c, one p gather in flight, and
-  in the backward one layer's full-size gradients before their reduce-scatter. CPU (measured): XLA:CPU keeps every
-  layer's gathered copy, and in the backward every full-size gradient, so L x (1 or 2) copies in p. Decode, every
-  backend: the loop's weights are invariant and XLA hoists their all-gathers out of the loop (seen in XLA:CPU's
-  HLO; the pass is not backend-specific), so all L layers and the unembedding live through it, in c (p on CPU,
-  whose dots read the f32 gathers).
+  batch axes dropped. GPU and TPU (held to XLA:GPU's and XLA:TPU's compiles, docs/pods.md): the running and the
+  prefetched layer in c, one gather in flight (in p on GPU, whose partitioner gathers and then casts; in c on TPU,
+  which casts on the shard), and in the backward one layer's full-size gradients before their reduce-scatter. CPU
+  (measured): XLA:CPU keeps every layer's gathered copy, and in the backward every full-size gradient, so
+  L x (1 or 2) copies in p. Decode with `rollout.decode_weights="training"`: XLA:CPU hoists the loop-invariant
+  all-gathers out of the loop, so all L layers and the unembedding live through it (in p: its dots read the f32
+  gathers); XLA:TPU gathers them inside the loop, every step (bytes over the interconnect), counted the same.
 - Peaks: update + frozen copies; scoring pass + moments + frozen copies; max(prefill, decode) + moments + frozen
   copies (the sampled parameters, current or delayed, are the call's argument).
 - Host replay buffer (`replay/storage.py`): bytes per token and per row measured on a `RolloutStore`, x 8/7 for the
