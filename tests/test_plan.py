@@ -328,6 +328,9 @@ def test_hlo_collectives_inside_loops_and_their_trip_counts():
   assert [(c.op, c.result_bytes) for c in hlo.collectives(_HLO, in_loops=False)] == [("all-gather", 1024)]
   # The outer loop records no trip count (5 assumed), the inner one 28: its all-gather runs 5 x 28 times a call.
   assert hlo.collective_bytes(_HLO, unknown_trips=5) == 1024 + 5 * 4096 + 5 * 28 * 64 * 128 * 2
+  # Without the inner count too (XLA:TPU keeps none), the 5 is the nest's: the inner loop is not multiplied again.
+  uncounted = _HLO.replace(', backend_config={"known_trip_count":{"n":"28"}}', "")
+  assert hlo.collective_bytes(uncounted, unknown_trips=5) == 1024 + 5 * 4096 + 5 * 64 * 128 * 2
 
 
 @pytest.mark.parametrize("least,probes", [

@@ -93,24 +93,30 @@ _TRIP_COUNT = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 def multiplicities(comps: dict[str, list[str]], unknown_trips: int = 1) -> dict[str, int]:
   """How many times one call of the program runs each computation: a `while` body (and its condition) as often as
   the loop's trip count times its caller's, XLA's `known_trip_count` where it gave one (scans, fori loops), else
-  `unknown_trips` (a loop that stops on a value: the decode's, up to max_new_tokens)."""
+  `unknown_trips` (a loop that stops on a value: the decode's, up to max_new_tokens; or XLA:TPU's loops, which
+  keep no count: the update's over optimizer steps and micro-batches). `unknown_trips` is the count of a whole
+  nest, so it multiplies the outermost loop without a count on each path once: the 8B update on v5p:2x2x1 nests
+  three such loops, and multiplying each by its 32 micro-batches counted its gathers 1,024 times a step."""
   entry = next((name for name, lines in comps.items() if name != "ENTRY" and lines is comps.get("ENTRY")), None)
   counts: collections.Counter = collections.Counter()
 
-  def visit(name: str, times: int) -> None:
+  def visit(name: str, times: int, counted: bool) -> None:
     counts[name] += times
     for line in comps.get(name, ()):
       if " while(" in line:
         trip = _TRIP_COUNT.search(line)
-        loop_times = times * (int(trip.group(1)) if trip else unknown_trips)
+        if trip:
+          loop_times, loop_counted = times * int(trip.group(1)), counted
+        else:
+          loop_times, loop_counted = times * (1 if counted else unknown_trips), True
         for callee in _SINGLE_CALL.findall(line):  # body= and condition=
-          visit(callee, loop_times)
+          visit(callee, loop_times, loop_counted)
       else:
         for callee in _callees([line]):
-          visit(callee, times)
+          visit(callee, times, counted)
 
   if entry is not None:
-    visit(entry, 1)
+    visit(entry, 1, False)
   return dict(counts)
 
 
