@@ -425,5 +425,10 @@ def _define_flags() -> None:
 def cli() -> None:
   """`python -m jaxrlvr.compare` (compare/__main__.py)."""
   from absl import app  # pylint: disable=g-import-not-at-top
+  from jaxrlvr import xla_cpu  # pylint: disable=g-import-not-at-top
+  # Before anything here imports JAX: with libtpu installed and no TPU, runs started from this process printed
+  # libtpu's errors now and then (a third of the replay testbed's calibration runs; never the main command started
+  # alone). Set here, JAX_PLATFORMS=cpu holds in this process and every run from their first import.
+  xla_cpu.skip_absent_accelerators()
   _define_flags()
   app.run(lambda argv: sys.exit(main(argv)))
