@@ -56,7 +56,8 @@ def main_run(name: str, args: list[str], env: dict) -> tuple[str, int, bytes, by
 def grpo_smoke(cache: str) -> tuple[str, int, bytes, bytes]:
   """`--config=configs/grpo.py:smoke` as a user starts it (no verbose or sharding-table setting in its environment),
   compiled light: tests/test_run_outputs.py reads what it said and wrote, test_train.py's smoke test of every method
-  its metrics, test_main_errors.py's finished-run tests copy it (the latter's GRPO case: 13.1 -> 1.6 CPU-s, 2026-12-08)."""
+  its metrics, test_main_errors.py's finished-run tests copy it (the latter's GRPO case: 13.1 -> 1.6 CPU-s,
+  2026-12-07)."""
   env = {k: v for k, v in light_compile.job_env().items() if k not in (logs.VERBOSE_ENV, logs.SHARDING_ENV)}
   return main_run("grpo-smoke", ["--config=configs/grpo.py:smoke", f"--config.warm_start.cache_dir={cache}"], env)
 
@@ -65,5 +66,5 @@ def exgrpo_smoke_reference(cache: str) -> tuple[str, int, bytes, bytes]:
   """ExGRPO's smoke run with 4 held-out questions, uninterrupted (checkpoints at steps 2 and 4), compiled light: the
   reference that tests/test_faults.py's interrupted runs and test_train.py's SIGKILLed run resume to (one smoke main
   command fewer a test run)."""
-  return main_run("exgrpo-smoke-reference", ["--config=configs/exgrpo.py:smoke", f"--config.warm_start.cache_dir={cache}",
-                                             "--config.data.eval_size=4"], light_compile.job_env())
+  args = ["--config=configs/exgrpo.py:smoke", f"--config.warm_start.cache_dir={cache}", "--config.data.eval_size=4"]
+  return main_run("exgrpo-smoke-reference", args, light_compile.job_env())

@@ -78,7 +78,7 @@ def _compile(path: str) -> None:
 def measured():
   # Once a test run (tests/shared_runs.py): as a module fixture it compiled on each worker that ran one of these
   # tests, and xdist splits the module's tests over both (58.4 CPU-s on the first, 15.7 from the compilation cache
-  # on the second, 2026-12-08).
+  # on the second, 2026-12-07).
   with open(os.path.join(shared_runs.once_per_test_run("plan_xla", _compile), "measured.json"), encoding="utf-8") as f:
     return {int(k): v for k, v in json.load(f).items()}
 
