@@ -366,7 +366,9 @@ def _gather_buffer(w: Workload, wt: dict[str, int]) -> int:
   the static sampler's gather of its decode copy (decode.in_decode_layout) holds the largest weight once more while
   it does (7B decode, v5p:4x4x4, one layer: 4.18 GB of temporaries, 1.09 GB over the copy; at 28 layers 27.01 GB
   against 25.34 planned). A prefill without a loop gathers layer by layer instead (7B, v5p:4x4x4: 12.26 GB compiled,
-  13.34 planned without it). The engine gathers in a program of its own."""
+  13.34 planned without it). Counted wherever fsdp splits the weights on TPU, though on 4 chips XLA:TPU uses real
+  all-gathers and needs no such buffer (7B decode, v5p-8: 40.63 GB compiled, 41.02 planned). The engine gathers in a
+  program of its own."""
   return wt["largest_copy"] if w.backend == "tpu" and w.decode_copy and not w.engine and w.mesh_shape[1] > 1 else 0
 
 
