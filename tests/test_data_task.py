@@ -115,11 +115,17 @@ def test_a_mix_of_levels_of_ones_own():
   default, explicit = ArithmeticSource(seed=1, size=40), ArithmeticSource(seed=1, size=40,
                                                                          levels=",".join(synthetic.LEVELS))
   assert all(default[q] == explicit[q] for q in range(40))
-  test = ArithmeticSource(split="test", seed=1, size=192, levels="add2,add2,mul2x2")  # 128 // 2 per slot of add2
-  assert not {test[q].question for q in range(192)} & {ArithmeticSource(seed=1, size=3000, levels="add2,add2,mul2x2")[
-      q].question for q in range(3000)}
-  with pytest.raises(DataError, match=r"test size \(193\) must be <= 192"):
-    ArithmeticSource(split="test", size=193, levels="add2,add2,mul2x2")
+  # A level named twice reserves 128 test questions a slot, 256 in all: the test split holds 128 a slot of the mix,
+  # none of them ever a training question; a mix without repeats keeps the split it had (the default's above).
+  test = ArithmeticSource(split="test", seed=1, size=384, levels="add2,add2,mul2x2")
+  assert len({test[q].question for q in range(384)}) == 384
+  assert not {test[q].question for q in range(384)} & {ArithmeticSource(seed=1, size=8000, levels="add2,add2,mul2x2")[
+      q].question for q in range(8000)}
+  with pytest.raises(DataError, match=r"test size \(385\) must be <= 384"):
+    ArithmeticSource(split="test", size=385, levels="add2,add2,mul2x2")
+  # mul1x2 has 720 questions: named 6 times, its 768 reserved ones would leave none to train on.
+  with pytest.raises(DataError, match=r"names 'mul1x2' 6 times: its 768 reserved test questions leave none"):
+    ArithmeticSource(levels="mul1x2," * 5 + "mul1x2")
   with pytest.raises(DataError, match="unknown level"):
     ArithmeticSource(levels="add2,div2")
   with pytest.raises(DataError, match="worked_by_level"):
@@ -127,7 +133,7 @@ def test_a_mix_of_levels_of_ones_own():
 
 
 def test_train_and_test_are_disjoint_for_any_test_size():
-  largest_test = ArithmeticSource(split="test", seed=0, size=4 * synthetic.HELD_OUT_PER_LEVEL)
+  largest_test = ArithmeticSource(split="test", seed=0, size=4 * synthetic.HELD_OUT_PER_SLOT)
   train = ArithmeticSource(split="train", seed=0)
   held_out = {largest_test[i].question for i in range(len(largest_test))}
   assert len(held_out) == len(largest_test)

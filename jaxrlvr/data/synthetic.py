@@ -36,9 +36,11 @@ characters, for the tiny model) or "sentence" for a pretrained chat model, which
 answer only when asked: "What is 47 + 38? Put the final answer in \\boxed{}." (the operators spaced, `*` kept).
 The operands, answers and solutions are the same; only the question text changes.
 
-Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_LEVEL` questions of
-each permutation are reserved for the 'test' split whatever its size, so 'train' never contains a test question.
-'train' walks the rest and wraps around when asked for more (mul1x2 has only 720 - 128 = 592 train questions).
+Each level's question space is enumerated and permuted once per seed. The first `HELD_OUT_PER_SLOT` questions of
+each permutation, times the times the level is named in the mix, are reserved for the 'test' split whatever its size,
+so 'train' never contains a test question and a test split can hold 128 questions a slot of the mix. 'train' walks
+the rest and wraps around when asked for more (mul1x2 has only 720 - 128 = 592 train questions, 464 when named
+twice).
 """
 import functools
 import re
@@ -49,7 +51,9 @@ from jaxrlvr.data import templates
 from jaxrlvr.data.types import DataError
 from jaxrlvr.data.types import Example
 
-HELD_OUT_PER_LEVEL = 128  # Test questions reserved per level: a test split holds at most 4 x 128 = 512.
+# Test questions reserved per slot of the mix: a level named r times in `data.levels` reserves r x 128, so the test
+# split holds at most len(levels) x 128 (512 for the embedded 4-level mix), and a mix without repeats keeps its split.
+HELD_OUT_PER_SLOT = 128
 DEFAULT_SIZES = {"train": 20_000, "test": 200}
 LEVELS = ("add2", "add3", "addsub2", "mul1x2")  # the embedded task's mix (`data.levels` empty)
 # Two more, for a mix of one's own (`data.levels`): a 1-digit plus a 2-digit number, and two 2-digit factors.
@@ -64,6 +68,11 @@ def _level_space(level: str) -> int:
   """How many distinct questions a level has before filtering."""
   return {"add2": 90 * 90, "add3": 900 * 900, "addsub2": 90 ** 3, "mul1x2": 8 * 90, "add1x2": 8 * 90,
           "mul2x2": 90 * 90}[level]
+
+
+def _reserved(level: str, levels: tuple[str, ...]) -> int:
+  """The first questions of `level`'s order kept for the test split: HELD_OUT_PER_SLOT for each time it is named."""
+  return HELD_OUT_PER_SLOT * levels.count(level)
 
 
 def _operands(level: str, index: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -145,11 +154,14 @@ class ArithmeticSource:
     if size < 1:
       raise DataError(f"synthetic:arithmetic: size ({size}) must be >= 1")
     self.levels = parse_levels(levels)
-    most = max(self.levels.count(level) for level in self.levels)
-    if split == "test" and size > len(self.levels) * (HELD_OUT_PER_LEVEL // most):
-      raise DataError(f"synthetic:arithmetic: test size ({size}) must be <= "
-                      f"{len(self.levels) * (HELD_OUT_PER_LEVEL // most)} ({HELD_OUT_PER_LEVEL} reserved questions per "
-                      f"level, over the mix {list(self.levels)})")
+    for level in set(self.levels):
+      if _reserved(level, self.levels) >= _level_space(level):
+        raise DataError(f"synthetic:arithmetic: config.data.levels names {level!r} {self.levels.count(level)} times: "
+                        f"its {_reserved(level, self.levels)} reserved test questions leave none of its "
+                        f"{_level_space(level)} to train on")
+    if split == "test" and size > len(self.levels) * HELD_OUT_PER_SLOT:
+      raise DataError(f"synthetic:arithmetic: test size ({size}) must be <= {len(self.levels) * HELD_OUT_PER_SLOT} "
+                      f"({HELD_OUT_PER_SLOT} reserved questions per slot of the mix {list(self.levels)})")
     if not 0.0 <= worked_fraction <= 1.0:
       raise DataError(f"synthetic:arithmetic: worked_fraction must lie in [0, 1], got {worked_fraction!r}")
     if phrasing not in PHRASINGS:
@@ -189,7 +201,8 @@ class ArithmeticSource:
     if self.split == "test":
       position = j
     else:
-      position = HELD_OUT_PER_LEVEL + j % (len(order) - HELD_OUT_PER_LEVEL)
+      reserved = _reserved(level, self.levels)
+      position = reserved + j % (len(order) - reserved)
     operands = tuple(int(v) for v in _operands(level, np.asarray(order[position])))
     question, answer, solution = _render(level, operands)
     if self.phrasing == "sentence":
