@@ -93,8 +93,8 @@ def test_arm_mistakes_are_errors_that_name_them():
 def test_cli_names_an_unknown_arm_in_one_line(tmp_path):
   for flag, needle in (("--arms=grpo,exgrpo-nope", "no arm 'exgrpo-nope'"),
                        ("--preset=huge", "--preset='huge': no such preset"),
-                       ("--preset=replay_testbed", "give --budget_tokens=N")):
-    out = subprocess.run([sys.executable, "-m", "jaxrlvr.compare", flag, f"--outdir={tmp_path}"], cwd=_REPO,
+                       ("--preset=replay_testbed --smoke", "give --budget_tokens=N")):
+    out = subprocess.run([sys.executable, "-m", "jaxrlvr.compare", *flag.split(), f"--outdir={tmp_path}"], cwd=_REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().count("\n") == 0 and needle in out.stderr, out.stderr
@@ -298,13 +298,18 @@ def test_the_replay_testbed_preset():
   assert testbed.exact_budget and testbed.seeds == 10 and testbed.arms == (
       "grpo", "exgrpo", "exgrpo-mixed_clip", "exgrpo-bucket_accuracy", "exgrpo-no_shaping", "advantage_priority",
       "bapo", "sft")
-  overrides = testbed.run_overrides(steps=120, batch_size=16)
-  assert "data.rl_train_size=960" in overrides  # 120 steps x 16 questions, two visits each
+  # Calibrated and frozen (docs/testbed.md): its own budget and steps, read without --budget_tokens.
+  assert (testbed.budget_tokens, testbed.steps) == (96_000, 60)
+  overrides = testbed.run_overrides(steps=testbed.steps, batch_size=16)
+  assert "data.rl_train_size=480" in overrides  # 60 steps x 16 questions, two visits each
   config = compare_arms.arm_config(compare_arms.resolve_arm("exgrpo-mixed_clip"), seed=0, overrides=overrides)
   assert (config.rollout.batch_size, config.rollout.group_size, config.train.num_minibatches) == (16, 8, 2)
   assert (config.optim.lr, config.data.eval_size, config.loss.mixed_clip) == (3e-5, 768, True)
-  assert config.data.worked_by_level == "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
-  assert "not yet calibrated" in testbed.doc.lower() and "Not yet calibrated" in compare_arms.__doc__
+  assert (config.rollout.temperature, config.eval.k, config.eval.temperature) == (0.5, 1, 0.0)
+  assert config.data.levels == "add1x2,add2,add3,addsub2,addsub2,mul1x2,mul1x2,mul2x2"
+  assert config.data.worked_by_level == "add1x2=1,add2=1,add3=1,addsub2=0.6,mul1x2=0.5,mul2x2=0"
+  assert "calibrated on 3 seeds" in testbed.doc and "Not yet calibrated" not in compare_arms.__doc__
+  assert compare.runner.run_size(testbed, budget_tokens=None, steps=None, smoke=False)[:2] == (96_000, 60)
 
 
 def test_a_presets_own_budget_and_steps_apply_at_full_size_only():

@@ -209,6 +209,18 @@ def test_shipped_paper_settings_fit_8_h100_and_v5p_for_every_method(model):
     assert not plan.fits(plan.plan_memory(config, (1, 8, 1), backend="gpu"), "h100"), (model, method)
 
 
+@pytest.mark.parametrize("model", ["qwen2.5-math-7b", "llama3.1-8b"])
+def test_grpo_and_exgrpo_paper_configs_build_the_same_scoring_and_sampler_programs(model):
+  # docs/pods.md compiles ExGRPO's scoring pass, prefill and decode and says GRPO's are the same programs: they are
+  # built from the model, config.rollout and the workload's shapes, and the two configs differ in none of these.
+  configs = [importlib.import_module(f"configs.{method}").get_config(f"model={model}") for method in ("grpo", "exgrpo")]
+  assert configs[0].rollout.to_dict() == configs[1].rollout.to_dict()
+  assert configs[0].model.to_dict() == configs[1].model.to_dict()
+  for mesh, backend in (((1, 4, 1), "tpu"), ((1, 64, 1), "tpu"), ((1, 8, 1), "gpu")):
+    grpo_workload, exgrpo_workload = (plan.workload(c, mesh, backend=backend) for c in configs)
+    assert grpo_workload == exgrpo_workload, (mesh, backend)
+
+
 def test_shipped_1_5b_fits_one_h100_for_every_method():
   for method in _METHODS:
     config = importlib.import_module(f"configs.{method}").get_config("model=qwen2.5-math-1.5b")

@@ -28,13 +28,12 @@ temperature) beside the greedy accuracy at every evaluation; they differ in the 
   (what RL learns on this task), the two easy sums (40% of the evaluation) start at 100%, and the one level in
   between can add about 6 points at most (GRPO gained +0.007 in 100 steps). `replay_testbed` is the regime for that.
 - `replay_testbed`: a mix where GRPO learns and most groups are constant at their first visit (below), at a budget
-  fixed before the runs, 10 seeds, the eight arms of the decisive comparison, ExGRPO's eq. 4 among them
-  (`exgrpo-mixed_clip`). Not yet calibrated: no mix tried so far meets every target on 3 seeds (GRPO's gain, each
-  seed's step-0 accuracy on the in-between levels, the constant-group share; docs/results.md, "The replay testbed:
-  calibration", and `python -m jaxrlvr.compare.calibrate`), so it has no budget of its own (`Preset.budget_tokens`)
-  and --budget_tokens gives it (required).
+  fixed before the runs (96,000 generated tokens, about 55 of its 60 steps), 10 seeds, the eight arms of the decisive
+  comparison, ExGRPO's eq. 4 among them (`exgrpo-mixed_clip`). Calibrated on seeds 0-2 (docs/testbed.md; `python -m
+  jaxrlvr.compare.calibrate`). It evaluates greedy accuracy only, its primary endpoint: pass@8 on its 768 held-out
+  questions took ~150 s an evaluation against 3-6 s an RL step (docs/testbed.md), several times a run's training.
 
-With --budget_tokens (required by a preset with `exact_budget`) every run evaluates at the first step whose generated
+With a budget (--budget_tokens, or the preset's own) every run evaluates at the first step whose generated
 tokens reach each of the budget's marks (`eval.token_marks`, compare/runner.py) and is read there. Without it the
 runs train equal steps and the budget is found afterwards (the smallest total): a run that did not evaluate at the
 step that reached it is read at its last evaluation at or below it.
@@ -110,21 +109,16 @@ PAPER_SHAPED_WORKED = "add1x2=1,add2=1,add3=0,addsub2=0,mul2x2=0"
 # embedded preset's GRPO run never passed 0.19 in 40 steps); the paper starts its weak Llama-3.1-8B model's replay
 # at once, and so does this preset (the exgrpo-no_delay arm).
 SMOLLM2_LEVELS = "add2,mul1x2"
-# The replay testbed's task and warm start, from a probe on one seed (the tiny model, B = 16, K = 8, 2 optimizer steps a
-# batch, lr 3e-5, 768 held-out questions): GRPO went 0.527 -> 0.625 in 60 steps, with 56-58% of the groups constant
-# at their first visit. The teacher shows its work on the two easy sums, never on 2-digit products, and on 40% of the
-# questions of the three levels in between, so the warm start leaves RL a choice there (worked or bare). Its step-0
-# accuracy on those levels moved erratically with that fraction (34%, 0%, 74% at 0.2, 0.3, 0.4), which is why the
-# calibration is on several seeds. 768 = 6 levels x 128 held-out questions: one evaluation's standard error <= 0.02.
-# Tried on seeds 0 and 1 (docs/testbed.md, the replay testbed's calibration), this mix misses two targets: the warm
-# start leaves addsub2 at 5.5% and 10.9%, under 15%, and at rollout temperature 1.0 55-59% of the first-visit groups
-# (steps 1-7) are constant. Two other mixes at temperature 0.7 (64-75% constant), on seeds 0-2, each missed one:
-# addsub2 at 0.5 gained +0.084 on average but left add3 at 8.6% and 1.6% on seeds 1 and 2 (and addsub2 at 13.3% on
-# seed 2); add3 fully worked, addsub2 0.6 and mul1x2 0.5 kept both in-between levels at 18-40% but gained +0.053 on
-# average (+0.047, +0.029, +0.083), and +0.047 in twice as many steps; add3 back at 0.7 beside those gained +0.040
-# and +0.005 on seeds 0 and 1 and left seed 1's add3 at 97.7% (docs/testbed.md, try 5).
-TESTBED_LEVELS = "add1x2,add2,add3,addsub2,mul1x2,mul2x2"
-TESTBED_WORKED = "add1x2=1,add2=1,add3=0.4,addsub2=0.4,mul1x2=0.4,mul2x2=0"
+# The replay testbed's task and warm start (docs/testbed.md has the 10 mixes tried and each seed's figures). The teacher
+# shows its work on the three sums, never on 2-digit products, and on 60% of addsub2's and 50% of mul1x2's questions,
+# so the warm start leaves RL a choice there (worked or bare: greedy accuracy 41-78% at step 0 on seeds 0-2). Those two
+# levels are named twice: RL draws them twice as often and they weigh twice in the held-out average, which is where
+# GRPO's gain comes from (+0.064 to +0.109 at the budget). Rollouts at temperature 0.5 leave 55-69% of the
+# first-visit groups all right or all wrong (64% on average; 56% at 0.7). 768 held-out questions = 8 slots x 96 of
+# the 128 reserved a slot: one evaluation's standard error <= 0.02.
+TESTBED_LEVELS = "add1x2,add2,add3,addsub2,addsub2,mul1x2,mul1x2,mul2x2"
+TESTBED_WORKED = "add1x2=1,add2=1,add3=1,addsub2=0.6,mul1x2=0.5,mul2x2=0"
+TESTBED_TEMPERATURE = 0.5
 TESTBED_ARMS = ("grpo", "exgrpo", "exgrpo-mixed_clip", "exgrpo-bucket_accuracy", "exgrpo-no_shaping",
                 "advantage_priority", "bapo", SFT_ARM)
 MARKS_PER_BUDGET = 4  # a run evaluates at 1/4, 2/4, 3/4 and all of the budget: every arm's curve at the same points
@@ -181,16 +175,16 @@ PRESETS = {p.name: p for p in (
                       f"data.worked_by_level={PAPER_SHAPED_WORKED}",
                       "train.num_minibatches=2", "train.replayed_grad_share=True"),
            visits_per_question=2.0),
-    Preset("replay_testbed", "a mix where GRPO learns and most first-visit groups are constant: six levels, the two "
-           "easy sums fully worked, 2-digit products bare, a worked fraction of 0.4 on add3, addsub2 and mul1x2; "
-           "B = 16, K = 8, 2 optimizer steps a batch, lr 3e-5, 768 held-out questions, about two epochs "
-           "(data.rl_train_size = steps x B / 2); every arm read at a budget fixed before the runs. Not yet "
-           "calibrated (no mix tried meets every target on 3 seeds: docs/results.md)", arms=TESTBED_ARMS, seeds=10,
-           exact_budget=True,
-           overrides=("eval.k=8", "eval.temperature=1.0", f"data.levels={TESTBED_LEVELS}",
-                      f"data.worked_by_level={TESTBED_WORKED}", "data.eval_size=768", "rollout.batch_size=16",
-                      "rollout.group_size=8", "train.num_minibatches=2", "optim.lr=3e-5",
-                      "train.replayed_grad_share=True"),
+    Preset("replay_testbed", "a mix where GRPO learns and most first-visit groups are constant: eight slots, the "
+           "three sums fully worked, 2-digit products bare, addsub2 (worked fraction 0.6) and mul1x2 (0.5) in "
+           "between and named twice; rollouts at temperature 0.5; B = 16, K = 8, 2 optimizer steps a batch, lr 3e-5, "
+           "768 held-out questions evaluated greedily, about two epochs (data.rl_train_size = steps x B / 2); every "
+           "arm read at 96,000 generated tokens, fixed before the runs (calibrated on 3 seeds: docs/testbed.md)",
+           arms=TESTBED_ARMS, seeds=10, exact_budget=True, budget_tokens=96_000, steps=60,
+           overrides=("eval.k=1", "eval.temperature=0.0", f"rollout.temperature={TESTBED_TEMPERATURE}",
+                      f"data.levels={TESTBED_LEVELS}", f"data.worked_by_level={TESTBED_WORKED}",
+                      "data.eval_size=768", "rollout.batch_size=16", "rollout.group_size=8",
+                      "train.num_minibatches=2", "optim.lr=3e-5", "train.replayed_grad_share=True"),
            visits_per_question=2.0),
     Preset("smollm2", "the real pretrained model: RL from SmolLM2-135M-Instruct as it is (the smollm2-135m model "
            "preset) on the two levels it sometimes solves, rollouts and pass@4 at temperature 0.6, ExGRPO without "
