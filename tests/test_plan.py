@@ -6,6 +6,7 @@ import importlib
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -306,6 +307,23 @@ def test_topology_names_and_the_proposed_micro_batches():
   config = exgrpo.get_config(_7B)
   assert config_lib.splitting_microbatches(config, 8) is None
   assert config_lib.splitting_microbatches(config, 64) == 8
+
+
+def test_the_report_holds_the_planner_to_the_compilers_peak():
+  # The 7B update on v5p-8 as compiled (docs/pods.md): peak 66.63 GB, arg+out+temp-alias 84.88, planner 80.90. Its
+  # least HBM lies in (62.59, 73.55] GB, about its peak, so the ratio printed is the planner's over the peak.
+  from jaxrlvr.plan import topology
+  report = topology.ProgramReport(name="update", compile_s=667, peak_bytes=66.63e9, total_bytes=84.88e9,
+                                  planned_bytes=80.90e9, flops=0.0, hbm_bytes=0.0, collective_bytes=434.61e9,
+                                  loop_all_gathers=199, seconds=326.0, bound_by="FLOPs",
+                                  min_hbm_bytes=(62.59e9, 73.55e9))
+  work = {"update": types.SimpleNamespace(model_flops=4.49e17 / 4)}  # a step's model FLOPs, per device
+  text = topology.format_report(exgrpo.get_config(_7B), topology.parse_topology("v5p:2x2x1"), (1, 4, 1), [report],
+                                [], work)
+  header, row, mfu = text.splitlines()[1:4]
+  assert "planner/peak" in header and "plan/compiler" not in header
+  assert row.split()[:9] == ["update", "667", "66.63", "84.88", "62.59-73.55", "yes", "80.90", "1.21", "199"]
+  assert mfu.startswith("update: MFU bound 75% ")  # 4.49e17 FLOPs in 326 s on 4 chips of 459 TFLOP/s
 
 
 _HLO = """HloModule m
