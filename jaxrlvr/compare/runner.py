@@ -16,8 +16,8 @@ How the runs get an equal budget. Methods generate different numbers of tokens p
 samples K-1 answers, not K; BAPO re-rolls hard questions; answers get shorter or longer as the policy changes), so
 equal steps are not equal cost. The budget is counted in generated rollout tokens (`rollout/sampled_tokens`, summed
 over steps; evaluation tokens do not count):
-- with `--budget_tokens=N`, or a preset's own budget (`Preset.budget_tokens`; a preset with `exact_budget` and no
-  budget of its own, e.g. `replay_testbed` until it is calibrated, requires the flag), the budget is known before the
+- with `--budget_tokens=N`, or a preset's own budget (`Preset.budget_tokens`, e.g. `replay_testbed`'s 96,000; a
+  preset with `exact_budget` and no budget of its own requires the flag), the budget is known before the
   runs, and every run gets it as marks: `eval.token_marks` = N/4, N/2, 3N/4 and N (arms.budget_marks),
   so a run evaluates at the first step whose generated tokens reach each, besides its evaluations every
   `--eval_every` steps. A run that finishes its steps short of N is resumed with a larger `total_steps` (a change
