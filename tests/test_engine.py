@@ -252,7 +252,9 @@ def test_sharded_engine_equals_single_device(model, small_segments):
     sharded = nnx.merge(graphdef, jax.device_put(params, parallel.param_shardings(params, mesh)))
     multi = scheduler.generate(sharded, prompts, mesh=mesh, decode_weights=weights, **kwargs)
     np.testing.assert_array_equal(multi.tokens, single.tokens, err_msg=f"{mesh.shape} {weights}")
-    np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
+    # The tokens are the check; log-probs in float32 differ by XLA:CPU's reduction order over the shards and by CPU
+    # (1.2e-5 on an Intel Xeon with AVX-512, under 1e-5 on an AMD EPYC).
+    np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=5e-5)
 
 
 def _collectives(mesh, params, graphdef) -> set:

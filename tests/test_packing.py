@@ -102,5 +102,8 @@ def test_packed_scores_and_gradients_equal_the_unpacked(max_prompts):
   assert np.any(np.asarray(ref_logp) != 0)
   np.testing.assert_allclose(logp, ref_logp, atol=2e-5, rtol=0)
   np.testing.assert_allclose(ent, ref_ent, atol=2e-5, rtol=0)
+  # Gradients reach ~15 here and are summed over the rows in float32 in a different order packed and unpacked (and
+  # by CPU: 3.1e-5 apart on an Intel Xeon with AVX-512); a segment attending across its boundary moves them by far
+  # more.
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -46,9 +46,11 @@ def _on_mesh(model, mesh):
   return nnx.merge(graphdef, jax.device_put(state, parallel.param_shardings(state, mesh)))
 
 
-# Float32 values to 1e-6, relative and absolute: XLA:CPU compiles the same math at another batch shape, or inside the
-# prefill's loop, with a different rounding of a few ulp (log-probs reach -5 here, whose ulp is 5e-7).
-_TOLERANCE = dict(atol=1e-6, rtol=1e-6)
+# Float32 values to a few ulp: XLA:CPU compiles the same math at another batch shape, or inside the prefill's loop,
+# with a different rounding (log-probs reach -5 here, whose ulp is 5e-7), and how much depends on the CPU: an AMD
+# EPYC matched to 1e-6, an Intel Xeon with AVX-512 put one of 42 log-probs 3.6e-6 from its split-call twin. The
+# tokens, compared exactly, are the check that the split calls sample what the unsplit call does.
+_TOLERANCE = dict(atol=2e-5, rtol=1e-5)
 
 
 def _assert_same(out, reference):
