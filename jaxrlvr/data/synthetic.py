@@ -154,7 +154,7 @@ class ArithmeticSource:
     if size < 1:
       raise DataError(f"synthetic:arithmetic: size ({size}) must be >= 1")
     self.levels = parse_levels(levels)
-    for level in set(self.levels):
+    for level in sorted(set(self.levels)):
       if _reserved(level, self.levels) >= _level_space(level):
         raise DataError(f"synthetic:arithmetic: config.data.levels names {level!r} {self.levels.count(level)} times: "
                         f"its {_reserved(level, self.levels)} reserved test questions leave none of its "
