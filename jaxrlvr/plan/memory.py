@@ -1,32 +1,23 @@
 """The planner's arithmetic: per-device bytes of each device phase of an RL step, from shapes alone.
 
-`plan/report.py` is the command line and the report, and its docstring explains every term; `plan/xla.py` compiles the same
-phases for XLA's own figures. Nothing here allocates: the model is built with `nnx.eval_shape`.
+`plan/shapes.py` gives the sizes (the workload, each parameter's per-device shape); `plan/report.py` is the command
+line and the report, and its docstring explains every term; `plan/xla.py` compiles the same phases for XLA's own
+figures. Nothing here allocates.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import os
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
-
-from jaxrlvr import config_lib
 from jaxrlvr import models
 from jaxrlvr import parallel
-from jaxrlvr import run_setup
 from jaxrlvr import scoring
 from jaxrlvr.plan.replay_host import EXGRPO_STORE_FRACTION, replay_estimate
-from jaxrlvr.rollout import bucket_length
+# Accelerator, BACKENDS, GB and shard_shape are re-exported: the report and the tests read them from here.
+from jaxrlvr.plan.shapes import (ACCELERATORS, BACKENDS, GB, Accelerator, Workload, param_table,
+                                 per_device_count, shard_shape, spec_mesh, workload)
 
-GB = 1e9
 USABLE_FRACTION = 0.9
-BACKENDS = ("gpu", "tpu", "cpu")
 # XLA:CPU compiles the phases as an accelerator would only with these (plan/report.py's docstring): its memory-optimising
 # scheduler, which honours remat, and no YNNPACK fusions (the list of fusion types replaced by one that matches
 # nothing), which would compute a whole MLP in tiles. Read when JAX starts its CPU client: set in XLA_FLAGS first.
@@ -44,160 +35,18 @@ BACKWARD_MLP_ARRAYS, BACKWARD_HIDDEN_ARRAYS = 6, 12
 FORWARD_MLP_ARRAYS, FORWARD_HIDDEN_ARRAYS = 3, 2
 # XLA:TPU keeps one [b, S, F] array fewer in a forward (7B scoring pass, v5p:2x2x1: 17.45 GB compiled; 2 give 17.5).
 TPU_FORWARD_MLP_ARRAYS = 2
+# XLA:TPU's buffer assignments at each program's peak (docs/pods.md, "The planner against XLA:TPU"), in c: the
+# update's backward keeps the L block inputs for remat and 2 more [b, S, D] arrays (the running layer's input and
+# its cotangent), and up to 5 [b, S, F] (the 7B layer's; the 8B's writes its cotangents in place and holds 2); the
+# scoring pass's forward one [b, S, F] array (silu(gate) * up written over gate) and 3 [b, S, D] (its f32 residual
+# stream counts 2), and with one row a micro-batch, whose row axis it drops, gate and up both and 2 [b, S, D].
+TPU_BACKWARD_HIDDEN_ARRAYS, TPU_BACKWARD_MLP_ARRAYS = 2, 5
+TPU_SCORE_ARRAYS = {"rows": (1, 3), "one row": (2, 2)}  # ([b, S, F] arrays, [b, S, D] arrays)
+# Over more fsdp shards than this XLA:TPU gathers a weight by writing its shard into a zeroed full-size buffer and
+# all-reducing it, combining the small ones across layers (v5p:4x4x2 and 4x4x4; on v5p:2x2x1 real all-gathers).
+TPU_ALL_GATHER_MAX_SHARDS = 8
 LOGITS_CHUNK_COPIES = 4  # the scorer's [b, chunk, vocab chunk] f32 logits live at once in the backward (3 forward)
 KEPT_LOGITS_COPIES = 3  # the update's kept [b, T, V] f32 logits and two of their size in its backward (train.keep_logits_mb)
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-  name: str
-  memory: float  # bytes per device
-  devices_per_host: int
-  backend: str  # jax.default_backend() on it: what "auto" attention and the schedule are planned for
-
-
-ACCELERATORS = {
-    "h100": Accelerator("NVIDIA H100 80GB", 80 * GB, 8, "gpu"),
-    "h200": Accelerator("NVIDIA H200 141GB", 141 * GB, 8, "gpu"),
-    "v5p": Accelerator("TPU v5p (95 GB a chip)", 95 * GB, 4, "tpu"),
-    "v5e": Accelerator("TPU v5e (16 GB a chip)", 16 * GB, 4, "tpu"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-  """The sizes the formulas use, derived from the config and the mesh (all per device unless named otherwise)."""
-  model: models.ModelConfig
-  mesh_shape: tuple[int, int, int]
-  mesh_kind: str  # "devices" (specs from a real mesh) or "abstract" (jax.sharding.AbstractMesh)
-  backend: str  # "gpu", "tpu" or "cpu": resolves attention="auto" and the schedule-dependent terms
-  batch_shards: int  # data x fsdp
-  rows: int  # rows of the global update batch (run_setup.batch_rows)
-  micro_rows: int  # one micro-batch, one device; also one scoring pass (step.make_score_fn's chunks)
-  rollout_rows: int  # one sampler call, one device (rollout.max_rows_per_device bounds it)
-  sampler_calls: int  # calls a step's rollouts take
-  prefill_rows: int  # rows of a device the prefill runs at once (rollout.prefill_rows_per_device)
-  prefill_tokens: int  # prompt slots it writes at once (rollout.prefill_chunk_tokens)
-  prompt_len: int  # bucketed, as the sampler and the batch pad it
-  completion_len: int
-  heads: int  # query heads on one device (split over tensor where the rule allows)
-  kv_heads: int
-  mlp: int
-  vocab: int
-  compute_bytes: int
-  param_bytes: int
-  engine: bool = False  # rollout.engine="continuous": rollout_rows are its decode slots, one state for the step
-  # rollout.decode_weights="replicated": the sampler reads a copy of the weights without their fsdp split (the
-  # engine's made once a call, the static sampler's gathered in each of its programs, before their loops)
-  decode_copy: bool = False
-
-  @property
-  def seq_len(self) -> int:
-    return self.prompt_len + self.completion_len
-
-  def attention(self, q_len: int, kv_len: int) -> str:
-    """The implementation attention="auto" (or the configured one) runs for a call of these lengths."""
-    m = self.model
-    return models.resolve_attention(m.attention, q_len=q_len, kv_len=kv_len, dtype=m.compute_dtype,
-                                 head_dim=m.head_dim, backend=self.backend)
-
-
-def shard_shape(shape: Sequence[int], spec: PartitionSpec, axis_sizes: dict[str, int]) -> tuple[int, ...]:
-  """Per-device shape of an array of `shape` laid out by `spec` on a mesh with `axis_sizes` (exact division)."""
-  out = []
-  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-  for dim, entry in zip(shape, entries):
-    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    parts = math.prod(axis_sizes[a] for a in axes)
-    if dim % parts:
-      raise ValueError(f"plan/report.py: dimension {dim} of {tuple(shape)} is not divisible by {parts} ({spec})")
-    out.append(dim // parts)
-  return tuple(out)
-
-
-def spec_mesh(mesh_shape: Sequence[int]) -> tuple[Any, str]:
-  """A real mesh over the first local devices when there are enough, else an AbstractMesh of the same shape."""
-  mesh_shape = tuple(int(s) for s in mesh_shape)
-  n = math.prod(mesh_shape)
-  if jax.device_count() >= n:
-    return parallel.make_mesh(*mesh_shape, devices=jax.devices()[:n]), "devices"
-  return AbstractMesh(mesh_shape, parallel.MESH_AXES), "abstract"
-
-
-@functools.lru_cache(maxsize=16)
-def _abstract_params(cfg: models.ModelConfig):
-  # Tracing an 8B model's constructor takes about a second, and one model is often planned on several meshes and for
-  # several methods (the CLI's accelerator table, the tests).
-  return nnx.state(nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-
-
-def param_table(cfg: models.ModelConfig, mesh: Any) -> list[tuple[str, tuple[int, ...], PartitionSpec, int]]:
-  """(path, global shape, PartitionSpec, dtype bytes) of every parameter, from an abstract model (no memory)."""
-  state = _abstract_params(cfg)
-  specs = dict(nnx.to_flat_state(parallel.param_specs(state, mesh)))
-  table = []
-  for path, var in nnx.to_flat_state(state):
-    spec = specs[path].get_value()
-    table.append((".".join(str(p) for p in path), tuple(var.shape), spec, jnp.dtype(var.dtype).itemsize))
-  return table
-
-
-def _per_device(shape, spec, mesh, mesh_kind: str, drop_axes: Sequence[str] = ()) -> int:
-  """Elements on one device; `drop_axes` are treated as unsharded (an all-gathered copy over them)."""
-  if drop_axes:
-    spec = PartitionSpec(*[_drop(e, drop_axes) for e in spec])
-  if mesh_kind == "devices" and not drop_axes:
-    return math.prod(NamedSharding(mesh, spec).shard_shape(shape))
-  return math.prod(shard_shape(shape, spec, dict(mesh.shape)))
-
-
-def _drop(entry, axes):
-  if entry is None:
-    return None
-  kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
-  return None if not kept else (kept[0] if len(kept) == 1 else kept)
-
-
-def _split(name: str, size: int, mesh: Any) -> int:
-  """`size` divided by the mesh axes the sharding rule of logical axis `name` gives it (1 when it does not divide)."""
-  spec = parallel.logical_to_spec((name,), (size,), mesh)
-  return shard_shape((size,), spec, dict(mesh.shape))[0]
-
-
-def workload(config: Any, mesh_shape: Sequence[int], *, backend: str = "gpu", mesh: Any = None,
-             mesh_kind: str | None = None, model: models.ModelConfig | None = None) -> Workload:
-  """The sizes of one RL step on a (data, fsdp, tensor) mesh; `model` replaces the config's architecture."""
-  if len(mesh_shape) != 3 or any(int(s) < 1 for s in mesh_shape):
-    raise ValueError(f"plan/report.py: mesh {tuple(mesh_shape)} must be three positive sizes (data, fsdp, tensor)")
-  if backend not in BACKENDS:
-    raise ValueError(f"plan/report.py: backend={backend!r} is not one of {BACKENDS}")
-  if mesh is None:
-    mesh, mesh_kind = spec_mesh(mesh_shape)
-  cfg = run_setup.model_config(config) if model is None else model
-  data, fsdp, _ = (int(s) for s in mesh_shape)
-  shards = data * fsdp
-  rows = run_setup.batch_rows(config, shards)
-  t, r = config.train, config.rollout
-  # bounded.plan_calls: the step's rollouts padded to the shards, cut into calls of at most max rows each.
-  per_device = -(-r.batch_size * r.group_size // shards)
-  engine = r.get("engine", "static") == "continuous"
-  # The engine's decode slots per device (scheduler.generate): decode_slots, else max_rows_per_device, else a
-  # slot per row; rows beyond them queue in the same state. The static sampler: calls of max_rows_per_device rows.
-  max_rows = run_setup.rows_per_sampler_call(config)
-  bound = (r.get("decode_slots", 0) or max_rows) if engine else max_rows
-  call_rows = min(per_device, bound) if bound > 0 else per_device
-  prompt_len = bucket_length(config.data.max_prompt_len)
-  return Workload(
-      model=cfg, mesh_shape=tuple(int(s) for s in mesh_shape), mesh_kind=mesh_kind, backend=backend,
-      batch_shards=shards, rows=rows, micro_rows=rows // (t.num_minibatches * t.num_microbatches * shards),
-      rollout_rows=call_rows, sampler_calls=1 if engine else -(-per_device // call_rows),
-      engine=engine, decode_copy=r.get("decode_weights", "replicated") == "replicated",
-      prefill_rows=r.prefill_rows_per_device if 0 < r.prefill_rows_per_device < call_rows else call_rows,
-      prefill_tokens=r.prefill_chunk_tokens if 0 < r.prefill_chunk_tokens < prompt_len else prompt_len,
-      prompt_len=prompt_len, completion_len=r.max_new_tokens,
-      heads=_split("q_heads", cfg.num_heads, mesh), kv_heads=_split("kv_heads", cfg.num_kv_heads, mesh),
-      mlp=_split("mlp", cfg.intermediate_size, mesh), vocab=_split("vocab", cfg.vocab_size, mesh),
-      compute_bytes=jnp.dtype(cfg.compute_dtype).itemsize, param_bytes=jnp.dtype(cfg.param_dtype).itemsize)
 
 
 def attention_bytes(w: Workload, rows: int, q_len: int, kv_len: int, *, backward: bool) -> int:
@@ -210,9 +59,11 @@ def attention_bytes(w: Workload, rows: int, q_len: int, kv_len: int, *, backward
   if impl == "cudnn":  # fused: the f32 log-sum-exp per query and head
     return rows * n * q_len * 4
   if impl == "splash":  # its tiles stay in the TPU core's memory; in HBM: q transposed to heads-first and its
-    # output (backward: also the cotangent and dq before their transposes), in c, and the f32 log-sum-exp
+    # output (backward: q and the kernel's residual, and k and v heads-first, as XLA:TPU's 7B and 8B updates
+    # hold them), in c, and the f32 log-sum-exp
     q_bytes = rows * n * q_len * m.head_dim * w.compute_bytes
-    return (4 if backward else 2) * q_bytes + rows * n * q_len * 4
+    kv_bytes = 2 * rows * kv * kv_len * m.head_dim * w.compute_bytes if backward else 0
+    return 2 * q_bytes + kv_bytes + rows * n * q_len * 4
   bq, bk = min(m.attention_block_size, q_len), min(m.attention_block_size, kv_len)
   block = rows * n * bq * bk * 4  # one [B, K, G*bq, bk] f32 score block
   if backward:  # s, p, dp, ds of a block and the f32 dk, dv accumulators over all slots
@@ -242,9 +93,9 @@ def weights(w: Workload, mesh: Any, mesh_kind: str) -> dict[str, int]:
   `param_count` counts elements."""
   m = w.model
   table = param_table(m, mesh)
-  full = {path: _per_device(shape, spec, mesh, mesh_kind, drop_axes=parallel.BATCH_AXES)
+  full = {path: per_device_count(shape, spec, mesh, mesh_kind, drop_axes=parallel.BATCH_AXES)
           for path, shape, spec, _ in table}
-  local = {path: _per_device(shape, spec, mesh, mesh_kind) for path, shape, spec, _ in table}
+  local = {path: per_device_count(shape, spec, mesh, mesh_kind) for path, shape, spec, _ in table}
   p = w.param_bytes
   return {
       "param_count": sum(math.prod(shape) for _, shape, _, _ in table),
@@ -266,14 +117,28 @@ def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -
   if w.mesh_shape[1] == 1 and w.compute_bytes == w.param_bytes:
     return 0  # nothing to gather or cast: the layers read their parameters in place
   full, cast = wt["layer_full"], wt["layer_full"] * w.compute_bytes // w.param_bytes
+  if w.backend == "tpu":
+    # XLA:TPU's buffer assignments: the running layer's weights, gathered in c (it casts on the shard); in a
+    # backward where it gathers through all-reduces (more than TPU_ALL_GATHER_MAX_SHARDS shards) one more layer's
+    # worth in flight, its combined gathers, and one layer's full-size f32 gradient before its reduction.
+    if not backward or w.mesh_shape[1] <= TPU_ALL_GATHER_MAX_SHARDS:
+      return cast
+    return 2 * cast + full
   if w.backend == "cpu":  # measured: every layer's gathered copy stays live (and in the backward its full gradient)
     return layers * full * (2 if backward else 1)
-  # Accelerators: the layer running and the one prefetched, in the compute dtype, and one gather in flight: in the
-  # parameter dtype on GPU, in the compute dtype on TPU, whose gathers cast on the shard first (the 7B scoring pass
-  # on v5p:4x4x4 gathers every weight in bf16); the backward adds one layer's full-size gradient before its
+  # GPU: the layer running and the one prefetched, in the compute dtype, and one gather in flight in the parameter
+  # dtype (the partitioner gathers, then casts); the backward adds one layer's full-size gradient before its
   # reduce-scatter.
-  in_flight = cast if w.backend == "tpu" else full
-  return 2 * cast + in_flight + (full if backward else 0)
+  return 2 * cast + full + (full if backward else 0)
+
+
+def _compute_copy(w: Workload, wt: dict[str, int], *, looped: bool) -> dict[str, int]:
+  """{"compute_copy": bytes} where XLA:TPU hoists the cast of every local parameter shard to the compute dtype out
+  of a program's micro-batch loop, so the copy lives through it (its 7B and 8B updates and scoring passes on v5p-8
+  and v5p-64); else {}. With model.scan_layers the stacked layers are that copy."""
+  if w.backend != "tpu" or not looped or w.compute_bytes == w.param_bytes or w.model.scan_layers:
+    return {}
+  return {"compute_copy": wt["params"] * w.compute_bytes // w.param_bytes}
 
 
 def _stacked_layers(w: Workload, wt: dict[str, int]) -> int:
@@ -289,11 +154,18 @@ def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
   out = {
       "state": 3 * wt["params"],  # parameters and AdamW's two moments (donated: counted once)
       "batch": local_rows * (2 * s * 4 + (4 + kl) * t * 4 + 2),
-      "gradients": wt["params"] * (2 if config.train.num_microbatches > 1 else 1),
   }
+  looped = config.train.num_microbatches > 1
+  # The scan's running sum and one micro-batch's; XLA:TPU adds each layer's gradient into the sum as the backward
+  # makes it (its 7B and 8B updates hold one f32 copy).
+  out["gradients"] = wt["params"] * (2 if looped and w.backend != "tpu" else 1)
+  out.update(_compute_copy(w, wt, looped=looped))
   mlp, hidden = b * s * w.mlp * c, b * s * m.hidden_size * c  # one [b, S, F] and one [b, S, D] array
   attention = attention_bytes(w, b, s, s, backward=True)
-  if m.remat:  # every block's input, and one layer's backward
+  if m.remat and w.backend == "tpu":  # every block's input, and one layer's backward as XLA:TPU holds it
+    out["activations"] = ((m.num_layers + TPU_BACKWARD_HIDDEN_ARRAYS) * hidden + TPU_BACKWARD_MLP_ARRAYS * mlp
+                          + attention)
+  elif m.remat:  # every block's input, and one layer's backward
     out["activations"] = (m.num_layers * hidden + BACKWARD_MLP_ARRAYS * mlp + BACKWARD_HIDDEN_ARRAYS * hidden
                           + attention)
   else:
@@ -314,11 +186,20 @@ def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
 def score_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]:
   """The scoring pass's footprint on one device (one micro-batch of rows at a time over the update batch)."""
   del config
-  b, s, local_rows, t = w.micro_rows, w.seq_len, w.rows // w.batch_shards, w.completion_len
+  m, b, s, local_rows, t = w.model, w.micro_rows, w.seq_len, w.rows // w.batch_shards, w.completion_len
+  if w.backend == "tpu":  # one layer's forward at its MLP, as XLA:TPU holds it, or its attention's if larger
+    mlp_arrays, hidden_arrays = TPU_SCORE_ARRAYS["one row" if b == 1 else "rows"]
+    hidden = b * s * hidden_arrays * m.hidden_size * w.compute_bytes
+    dense = b * s * mlp_arrays * w.mlp * w.compute_bytes + hidden
+    attention = hidden + attention_bytes(w, b, s, s, backward=False)
+    activations = max(dense, attention)
+  else:
+    activations = _layer_forward_bytes(w, b, s, s)
   return {
       "params": wt["params"],
+      **_compute_copy(w, wt, looped=local_rows > b),
       "batch": local_rows * (2 * s * 4 + 3 * t * 4 + 2) + 2 * local_rows * t * 4,  # inputs, then logp and entropy
-      "activations": _layer_forward_bytes(w, b, s, s),
+      "activations": activations,
       "gathered": _gathered(w, wt, layers=w.model.num_layers, backward=False),
       **({"stacked": _stacked_layers(w, wt)} if w.model.scan_layers else {}),
       "logits": _logits_chunk_bytes(w, b, LOGITS_CHUNK_COPIES - 1),

@@ -22,7 +22,7 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   `loss.kl_coef > 0` and `replay.policy_delay` delayed policies (BAPO). Resident = parameters + moments + copies.
 - Update (`step.make_update_fn`, one micro-batch of b = rows / (minibatches x micro-batches x shards) rows):
     state       parameters and moments (arguments, donated)      batch   the update batch's arrays
-    gradients   the scan's running sum and one micro-batch's (one copy with a single micro-batch)
+    gradients   the scan's running sum and one micro-batch's (one copy with a single micro-batch, and on TPU)
     activations remat: L x b S D c block inputs + one layer's backward, 6 [b, S, F] + 12 [b, S, D] arrays in c
                 (gate, up, their gradients, the product and its gradient; the residual stream, its cotangent,
                 the norms, q and the attention output in blocks and their cotangents, the MLP's input gradients:
@@ -56,14 +56,22 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   xla: f32 scores and probabilities + compute-dtype probabilities [b, N, T, S] and the [b, T, S] mask (twice in
   the backward); blockwise: s and p of one [b, N, bq, bk] f32 block and the f32 output accumulator forward; s, p,
   dp, ds of a block and the f32 dk, dv accumulators [b, K, S, H] backward (bq = bk = attention_block_size);
-  cudnn: the f32 log-sum-exp [b, N, T]; splash (TPU): q and the output heads-first in c (and the cotangent and dq
-  in the backward) and the f32 log-sum-exp [b, N, T], its tiles in the core's memory.
+  cudnn: the f32 log-sum-exp [b, N, T]; splash (TPU): q and the output heads-first in c (in the backward q, the
+  kernel's residual, k and v heads-first) and the f32 log-sum-exp [b, N, T], its tiles in the core's memory.
+- TPU (fitted to XLA:TPU's buffer assignments of the 7B and 8B programs on v5p-8 and v5p-64, docs/pods.md): the
+  update's gradients are one f32 copy (XLA adds each layer's into the running sum as the backward makes it); a
+  program that loops over micro-batches holds a copy of every local parameter shard in c (`compute copy`: XLA
+  hoists the casts out of the loop); the update's remat backward keeps L + 2 [b, S, D] arrays, up to 5 [b, S, F]
+  and splash's backward set; the scoring pass's forward 1 [b, S, F] and 3 [b, S, D] arrays (2 and 2 with one row a
+  micro-batch); no logits chunk is at either peak, but it is counted.
 - model.scan_layers: the update holds every layer's weights stacked in c for its scan, and their stacked gradient
   (2 x L x one layer's shard in c); the scoring pass the stacked weights.
 - Gathered weights (fsdp > 1, or a compute dtype other than the parameters'): one layer's parameters with the
-  batch axes dropped. GPU and TPU (held to XLA:GPU's and XLA:TPU's compiles, docs/pods.md): the running and the
-  prefetched layer in c, one gather in flight (in p on GPU, whose partitioner gathers and then casts; in c on TPU,
-  which casts on the shard), and in the backward one layer's full-size gradients before their reduce-scatter. CPU
+  batch axes dropped. GPU (held to XLA:GPU's compiles, docs/pods.md): the running and the prefetched layer in c,
+  one gather in flight in p (its partitioner gathers and then casts), and in the backward one layer's full-size
+  gradients before their reduce-scatter. TPU (XLA:TPU casts on the shard): the running layer in c; in a backward
+  over more than 8 fsdp shards, where it gathers through all-reduces combined across layers, one more layer in c
+  and one layer's full-size f32 gradient. CPU
   (measured): XLA:CPU keeps every layer's gathered copy, and in the backward every full-size gradient, so
   L x (1 or 2) copies in p. Decode with `rollout.decode_weights="training"`: XLA:CPU hoists the loop-invariant
   all-gathers out of the loop, so all L layers and the unembedding live through it (in p: its dots read the f32
@@ -161,7 +169,9 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
       _row("frozen copies (KL reference, delayed)", mem["frozen_copies"]),
       _row("resident", mem["resident"]),
       "update (one micro-batch):",
-      _row("gradients" + (" (sum + micro-batch)" if t.num_microbatches > 1 else ""), mem["gradients"]),
+      _row("gradients" + (" (sum + micro-batch)" if mem["gradients"] > mem["params"] else ""), mem["gradients"]),
+      *([_row("compute-dtype copy of the shards (XLA:TPU)", mem["update.compute_copy"])]
+        if "update.compute_copy" in mem else []),
       _row("activations" + (f" (remat: {m.num_layers} block inputs + 1 layer)" if m.remat else " (no remat)"),
            mem["update.activations"] + mem["update.logits"]),
       _row("gathered weights (fsdp / dtype copies)", mem["update.gathered"]),
@@ -170,6 +180,8 @@ def format_plan(config: Any, mesh_shape: Sequence[int], plans: dict[str, dict[st
       "scoring pass (old log-probs, forward only):",
       _row("one layer's forward, one pass's rows", mem["score.activations"] + mem["score.logits"]),
       _row("gathered weights", mem["score.gathered"]),
+      *([_row("compute-dtype copy of the shards (XLA:TPU)", mem["score.compute_copy"])]
+        if "score.compute_copy" in mem else []),
       _row("peak", mem["score_peak"]),
       "rollout (one sampler call):",
       _row(f"KV cache ({w.rollout_rows} rows x {s} slots)", mem["kv_cache"]),
