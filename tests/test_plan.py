@@ -351,6 +351,8 @@ def test_the_report_holds_the_planner_to_the_compilers_peak():
 _HLO = """HloModule m
 
 %body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %pallas.1 = bf16[8,128]{1,0} custom-call(%q), custom_call_target="tpu_custom_call", backend_config={"body": "kernel
+}}, metadata={op_name="splash_mha_fwd/pallas_call"}
   %ag.1 = bf16[64,128]{1,0} all-gather(%x), channel_id=1, dimensions={0}
   ROOT %t = (s32[], f32[8]) tuple(%a, %b)
 }
@@ -375,6 +377,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 def test_hlo_collectives_inside_loops_and_their_trip_counts():
   from jaxrlvr.plan import hlo
+  # A Pallas call's backend config spans lines, one starting with "}}": the loop body goes on after it.
   inside = hlo.collectives(_HLO, in_loops=True)
   assert sorted((c.op, c.result_bytes) for c in inside) == [("all-gather", 64 * 128 * 2), ("all-reduce", 4096)]
   assert [(c.op, c.result_bytes) for c in hlo.collectives(_HLO, in_loops=False)] == [("all-gather", 1024)]

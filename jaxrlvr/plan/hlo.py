@@ -49,7 +49,7 @@ def computations(text: str) -> dict[str, list[str]]:
       out[current] = []
       if header.group(1):
         out["ENTRY"] = out[current]
-    elif line.startswith("}"):
+    elif line.rstrip() == "}":  # not "}}, metadata=...": a Pallas call's backend config spans several lines
       current = None
     elif current is not None:
       out[current].append(line)
