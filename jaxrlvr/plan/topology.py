@@ -120,8 +120,13 @@ def _gpu_devices(target: Target) -> list:
   if importlib.util.find_spec("jax_cuda12_plugin") is None:
     raise config_lib.ConfigError(f"--topology={target.topology_name}: the CUDA plugin is not installed; "
                                  f"pip install -e '.[gpu]' (jax[cuda12] at the locked jax version)")
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: the plugin must not look for a driver
+  import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if not os.environ.get("JAX_PLATFORMS"):
+    # Compile only: the plugin must not look for a driver, which it skips when the platforms asked for leave CUDA
+    # out. JAX read JAX_PLATFORMS when it was imported, so the setting goes to its config (no backend has started).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
   spec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs", f"{target.chip_key}.txtpb")
   with open(spec, encoding="utf-8") as f:
     config = f.read()
