@@ -156,9 +156,11 @@ def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
       "batch": local_rows * (2 * s * 4 + (4 + kl) * t * 4 + 2),
   }
   looped = config.train.num_microbatches > 1
-  # The scan's running sum and one micro-batch's; XLA:TPU adds each layer's gradient into the sum as the backward
-  # makes it (its 7B and 8B updates hold one f32 copy).
-  out["gradients"] = wt["params"] * (2 if looped and w.backend != "tpu" else 1)
+  # The scan's running sum and one micro-batch's. XLA:TPU adds each layer's gradient into the sum as the backward
+  # makes it (its 7B and 8B updates on v5p-8 hold one f32 copy), but where it gathers through all-reduces it defers
+  # layers' reductions and holds their micro-batch gradients beside the sum (on v5p-64, 1.5 and 1.2 copies more).
+  one_copy = w.backend == "tpu" and w.mesh_shape[1] <= TPU_ALL_GATHER_MAX_SHARDS
+  out["gradients"] = wt["params"] * (2 if looped and not one_copy else 1)
   out.update(_compute_copy(w, wt, looped=looped))
   mlp, hidden = b * s * w.mlp * c, b * s * m.hidden_size * c  # one [b, S, F] and one [b, S, D] array
   attention = attention_bytes(w, b, s, s, backward=True)
