@@ -223,25 +223,34 @@ def test_grpo_and_exgrpo_paper_configs_build_the_same_scoring_and_sampler_progra
     assert grpo_workload == exgrpo_workload, (mesh, backend)
 
 
-# XLA:TPU's peak_memory_in_bytes (GB) for the shipped ExGRPO config, `python -m jaxrlvr.plan --topology=...`
-# (docs/pods.md; v5p-64 with train.num_microbatches=8, as the command proposes): the planner is fitted to these.
-_TPU_PEAKS = {
-    ("qwen2.5-math-7b", (1, 4, 1)): {"update": 66.63, "score": 15.98, "prefill": 40.95, "decode": 40.05},
-    ("qwen2.5-math-7b", (1, 64, 1)): {"update": 8.54, "score": 2.03, "prefill": 11.12, "decode": 25.27},
-    ("llama3.1-8b", (1, 4, 1)): {"update": 64.26, "score": 16.13, "prefill": 28.67, "decode": 43.70},
-    ("llama3.1-8b", (1, 64, 1)): {"update": 8.56, "score": 2.10, "prefill": 21.93, "decode": 36.96},
+# XLA:TPU's figures (GB a chip) for the shipped ExGRPO config, `python -m jaxrlvr.plan --topology=... [--min_hbm]`
+# (docs/pods.md; v5p-64 with train.num_microbatches=8, as the command proposes): each program's peak_memory_in_bytes
+# and, where it was bracketed, the least HBM it compiles in, (low, high]. The planner's TPU terms are fitted to these.
+_TPU_COMPILED = {
+    ("qwen2.5-math-7b", (1, 4, 1)): {"update": (66.63, (62.59, 73.55)), "score": (15.98, (15.54, 17.18)),
+                                     "prefill": (40.95, None), "decode": (40.05, (37.29, 45.57))},
+    ("qwen2.5-math-7b", (1, 64, 1)): {"update": (8.54, (8.83, 9.16)), "score": (2.03, (2.10, 2.15)),
+                                      "prefill": (11.12, None), "decode": (25.27, (23.03, 28.15))},
+    ("llama3.1-8b", (1, 4, 1)): {"update": (64.26, (63.43, 76.91)), "score": (16.13, (15.33, 16.20)),
+                                 "prefill": (28.67, None), "decode": (43.70, (40.50, 49.50))},
+    ("llama3.1-8b", (1, 64, 1)): {"update": (8.56, (9.06, 9.60)), "score": (2.10, (2.26, 2.30)),
+                                  "prefill": (21.93, None), "decode": (36.96, (33.66, 41.14))},
 }
 
 
-@pytest.mark.parametrize("model, mesh", sorted(_TPU_PEAKS))
-def test_the_tpu_plan_is_within_10_percent_of_xla_tpus_peaks(model, mesh):
+@pytest.mark.parametrize("model, mesh", sorted(_TPU_COMPILED))
+def test_the_tpu_plan_is_within_10_percent_of_the_least_hbm_xla_tpu_needs(model, mesh):
   config = exgrpo.get_config(f"model={model}")
   proposal = config_lib.splitting_microbatches(config, mesh[0] * mesh[1])
   if proposal:
     _with(config, train__num_microbatches=proposal)
   memory = plan.plan_memory(config, mesh, backend="tpu")
-  ratios = {phase: memory[phase] / 1e9 / peak for phase, peak in _TPU_PEAKS[model, mesh].items()}
-  assert all(0.9 <= ratio <= 1.1 for ratio in ratios.values()), ratios
+  for phase, (peak, least) in _TPU_COMPILED[model, mesh].items():
+    planned = memory[phase] / 1e9
+    # Within 10% of every value the bracket allows (its ends were probed at an earlier planner's figure / 1.1 and
+    # / 0.9, hence the rounding margin); of the peak where none was taken (on v5p-8 the least HBM is the peak).
+    low, high = least or (peak, peak)
+    assert planned / high >= 0.9 * 0.999 and planned / low <= 1.1 * 1.001, (phase, planned, peak, least)
 
 
 def test_shipped_1_5b_fits_one_h100_for_every_method():
