@@ -124,7 +124,7 @@ def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -
     # 0.60 and 0.40 GB gathered at their peaks), a backward one layer more and one layer's f32 gradient.
     if w.mesh_shape[1] <= TPU_ALL_GATHER_MAX_SHARDS:
       return cast
-    return 2 * cast + full if backward else cast + cast // 2
+    return (2 * cast + full) if backward else (cast + cast // 2)
   if w.backend == "cpu":  # measured: every layer's gathered copy stays live (and in the backward its full gradient)
     return layers * full * (2 if backward else 1)
   # GPU: the layer running and the one prefetched, in the compute dtype, and one gather in flight in the parameter
