@@ -94,8 +94,8 @@ def sweep(prefix: str) -> Peak:
     starting[b.start].append(b)
   live: list[Buffer] = []
   best = Peak(0, 0, [])
-  for position in range(max((b.end for b in buffers), default=-1) + 1):
-    live = [b for b in live if b.end >= position] + starting.get(position, [])
+  for position in sorted(starting):  # between two starts buffers only die: the live bytes cannot rise there
+    live = [b for b in live if b.end >= position] + starting[position]
     held = sum(sizes[a] for a in {b.allocation for b in live if not b.temp})
     held += _union([(b.offset, b.offset + b.size) for b in live if b.temp])
     if held > best.bytes:

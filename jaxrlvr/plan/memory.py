@@ -122,7 +122,7 @@ def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -
     # gathers through all-reduces (more than TPU_ALL_GATHER_MAX_SHARDS shards) it combines the small weights of
     # several layers into one: a forward holds about half a layer more (the 8B and 7B scoring passes on v5p-64:
     # 0.60 and 0.40 GB gathered at their peaks), a backward one layer more and one layer's f32 gradient.
-    if w.mesh_shape[1] <= TPU_ALL_GATHER_MAX_SHARDS:
+    if not _tpu_all_reduce_gathers(w):
       return cast
     return (2 * cast + full) if backward else (cast + cast // 2)
   if w.backend == "cpu":  # measured: every layer's gathered copy stays live (and in the backward its full gradient)
@@ -131,6 +131,11 @@ def _gathered(w: Workload, wt: dict[str, int], *, layers: int, backward: bool) -
   # dtype (the partitioner gathers, then casts); the backward adds one layer's full-size gradient before its
   # reduce-scatter.
   return 2 * cast + full + (full if backward else 0)
+
+
+def _tpu_all_reduce_gathers(w: Workload) -> bool:
+  """Whether XLA:TPU gathers the weights through all-reduces combined across layers (TPU_ALL_GATHER_MAX_SHARDS)."""
+  return w.backend == "tpu" and w.mesh_shape[1] > TPU_ALL_GATHER_MAX_SHARDS
 
 
 def _compute_copy(w: Workload, wt: dict[str, int], *, looped: bool) -> dict[str, int]:
@@ -160,7 +165,7 @@ def update_bytes(config: Any, w: Workload, wt: dict[str, int]) -> dict[str, int]
   # The scan's running sum and one micro-batch's. XLA:TPU adds each layer's gradient into the sum as the backward
   # makes it (its 7B and 8B updates on v5p-8 hold one f32 copy), but where it gathers through all-reduces it defers
   # layers' reductions and holds their micro-batch gradients beside the sum (on v5p-64, 1.5 and 1.2 copies more).
-  one_copy = w.backend == "tpu" and w.mesh_shape[1] <= TPU_ALL_GATHER_MAX_SHARDS
+  one_copy = w.backend == "tpu" and not _tpu_all_reduce_gathers(w)
   out["gradients"] = wt["params"] * (2 if looped and not one_copy else 1)
   out.update(_compute_copy(w, wt, looped=looped))
   mlp, hidden = b * s * w.mlp * c, b * s * m.hidden_size * c  # one [b, S, F] and one [b, S, D] array

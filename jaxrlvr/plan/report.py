@@ -22,7 +22,8 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   `loss.kl_coef > 0` and `replay.policy_delay` delayed policies (BAPO). Resident = parameters + moments + copies.
 - Update (`step.make_update_fn`, one micro-batch of b = rows / (minibatches x micro-batches x shards) rows):
     state       parameters and moments (arguments, donated)      batch   the update batch's arrays
-    gradients   the scan's running sum and one micro-batch's (one copy with a single micro-batch, and on TPU)
+    gradients   the scan's running sum and one micro-batch's (one copy with a single micro-batch, and on TPU
+                up to 8 fsdp shards)
     activations remat: L x b S D c block inputs + one layer's backward, 6 [b, S, F] + 12 [b, S, D] arrays in c
                 (gate, up, their gradients, the product and its gradient; the residual stream, its cotangent,
                 the norms, q and the attention output in blocks and their cotangents, the MLP's input gradients:
@@ -59,7 +60,8 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
   cudnn: the f32 log-sum-exp [b, N, T]; splash (TPU): q and the output heads-first in c (in the backward q, the
   kernel's residual, k and v heads-first) and the f32 log-sum-exp [b, N, T], its tiles in the core's memory.
 - TPU (fitted to XLA:TPU's buffer assignments of the 7B and 8B programs on v5p-8 and v5p-64, docs/pods.md): the
-  update's gradients are one f32 copy (XLA adds each layer's into the running sum as the backward makes it); a
+  update's gradients are one f32 copy up to 8 fsdp shards (XLA adds each layer's into the running sum as the
+  backward makes it; beyond, it defers layers' reductions and holds their micro-batch gradients too); a
   program that loops over micro-batches holds a copy of every local parameter shard in c (`compute copy`: XLA
   hoists the casts out of the loop); the update's remat backward keeps L + 2 [b, S, D] arrays, up to 5 [b, S, F]
   and splash's backward set; the scoring pass's forward 1 [b, S, F] and 3 [b, S, D] arrays (2 and 2 with one row a
@@ -69,9 +71,9 @@ them; rows over data x fsdp), L layers, c and p the compute and parameter dtype 
 - Gathered weights (fsdp > 1, or a compute dtype other than the parameters'): one layer's parameters with the
   batch axes dropped. GPU (held to XLA:GPU's compiles, docs/pods.md): the running and the prefetched layer in c,
   one gather in flight in p (its partitioner gathers and then casts), and in the backward one layer's full-size
-  gradients before their reduce-scatter. TPU (XLA:TPU casts on the shard): the running layer in c; in a backward
-  over more than 8 fsdp shards, where it gathers through all-reduces combined across layers, one more layer in c
-  and one layer's full-size f32 gradient. CPU
+  gradients before their reduce-scatter. TPU (XLA:TPU casts on the shard): the running layer in c; over more than
+  8 fsdp shards, where it gathers through all-reduces combined across layers, half a layer more in a forward, and
+  in a backward one more layer in c and one layer's full-size f32 gradient. CPU
   (measured): XLA:CPU keeps every layer's gathered copy, and in the backward every full-size gradient, so
   L x (1 or 2) copies in p. Decode with `rollout.decode_weights="training"`: XLA:CPU hoists the loop-invariant
   all-gathers out of the loop, so all L layers and the unembedding live through it (in p: its dots read the f32
